@@ -1,0 +1,22 @@
+"""numpyro_blr: the Bayesian learning rule (Khan & Rue 2023) for NumPyro."""
+
+from numpyro_blr.families import DiagonalGaussian, FullGaussian
+from numpyro_blr.layout import GuideLayoutError, read_layout
+from numpyro_blr.optim import BLR, BLRState, harmonic_decay, nonfinite_parameters
+from numpyro_blr.presets import gradient_descent, laplace, newton, von
+
+__all__ = [
+    "BLR",
+    "BLRState",
+    "DiagonalGaussian",
+    "FullGaussian",
+    "GuideLayoutError",
+    "gradient_descent",
+    "harmonic_decay",
+    "laplace",
+    "newton",
+    "nonfinite_parameters",
+    "read_layout",
+    "von",
+]
+__version__ = "0.1.0"

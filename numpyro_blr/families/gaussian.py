@@ -1,0 +1,158 @@
+r"""Gaussian exponential families, diagonal and full covariance.
+
+A Gaussian :math:`q(\theta) = \mathcal{N}(m, S^{-1})` with mean :math:`m` and
+precision :math:`S` is an exponential family with sufficient statistics
+:math:`T(\theta) = (\theta, \theta\theta^\top)` and
+
+* natural parameters     :math:`\lambda = (S m, -\tfrac12 S)`,
+* expectation parameters :math:`\mu = (m, m m^\top + S^{-1})`,
+* log-partition          :math:`A(\lambda) = -\tfrac14 \lambda_1^\top \lambda_2^{-1}\lambda_1
+  - \tfrac12 \log\det(-2\lambda_2) + \tfrac{D}{2}\log 2\pi`,
+
+so that :math:`\mu = \nabla A(\lambda)` (Khan & Rue 2023, Sec. 1.3 and App. B).
+The diagonal family is the same with every matrix diagonal, stored as a vector
+(elementwise over arrays of any shape).
+
+All functions are pure and work on the last axis (full) or elementwise (diagonal).
+"""
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.scipy.linalg import solve_triangular
+
+_LOG_2PI = jnp.log(2 * jnp.pi)
+
+
+class GaussianNatural(NamedTuple):
+    """Natural parameters ``(eta1, eta2) = (S m, -S/2)``."""
+
+    eta1: jax.Array
+    eta2: jax.Array
+
+
+class GaussianExpectation(NamedTuple):
+    """Expectation parameters ``(mu1, mu2) = (E[x], E[x x^T])`` (``E[x^2]`` elementwise when diagonal)."""
+
+    mu1: jax.Array
+    mu2: jax.Array
+
+
+def precision_to_scale_tril(precision):
+    r"""Lower Cholesky factor :math:`L` of :math:`S^{-1}` from the precision :math:`S`, with one Cholesky.
+
+    With the reversal permutation :math:`J`, write :math:`J S J = K K^\top`. Then
+    :math:`S^{-1} = (J K^{-\top} J)(J K^{-\top} J)^\top` and :math:`J K^{-\top} J` is lower
+    triangular with a positive diagonal, so it is the Cholesky factor of the covariance.
+    No explicit inverse of :math:`S` is formed.
+    """
+    flipped = jnp.flip(precision, axis=(-2, -1))
+    k = jnp.linalg.cholesky(flipped)
+    eye = jnp.broadcast_to(jnp.eye(precision.shape[-1], dtype=precision.dtype), precision.shape)
+    k_inv = solve_triangular(k, eye, lower=True)
+    return jnp.flip(jnp.swapaxes(k_inv, -1, -2), axis=(-2, -1))
+
+
+def scale_tril_to_precision(scale_tril):
+    r"""Precision :math:`S = L^{-\top} L^{-1}` from the covariance's Cholesky factor :math:`L`."""
+    eye = jnp.broadcast_to(jnp.eye(scale_tril.shape[-1], dtype=scale_tril.dtype), scale_tril.shape)
+    l_inv = solve_triangular(scale_tril, eye, lower=True)
+    return jnp.swapaxes(l_inv, -1, -2) @ l_inv
+
+
+class DiagonalGaussian:
+    r"""Mean-field Gaussian :math:`\prod_i \mathcal{N}(m_i, 1/p_i)`, elementwise over arrays of any shape."""
+
+    @staticmethod
+    def to_natural(mean, precision):
+        return GaussianNatural(precision * mean, -0.5 * precision)
+
+    @staticmethod
+    def from_natural(natural):
+        """``(mean, precision)`` from natural parameters."""
+        precision = -2.0 * natural.eta2
+        return natural.eta1 / precision, precision
+
+    @staticmethod
+    def expectation(natural):
+        mean, precision = DiagonalGaussian.from_natural(natural)
+        return GaussianExpectation(mean, mean**2 + 1.0 / precision)
+
+    @staticmethod
+    def from_expectation(expectation):
+        """Natural parameters from expectation parameters (the inverse of :meth:`expectation`)."""
+        mean = expectation.mu1
+        precision = 1.0 / (expectation.mu2 - mean**2)
+        return DiagonalGaussian.to_natural(mean, precision)
+
+    @staticmethod
+    def log_partition(natural):
+        """Sum over all entries of ``-eta1^2/(4 eta2) - log(-2 eta2)/2 + log(2 pi)/2``."""
+        a = -(natural.eta1**2) / (4.0 * natural.eta2) - 0.5 * jnp.log(-2.0 * natural.eta2) + 0.5 * _LOG_2PI
+        return jnp.sum(a)
+
+    @staticmethod
+    def entropy(precision):
+        """Sum over entries of ``(log(2 pi e) - log p)/2``."""
+        return jnp.sum(0.5 * (_LOG_2PI + 1.0 - jnp.log(precision)))
+
+    @staticmethod
+    def sample(key, mean, precision, sample_shape=()):
+        """Reparameterised draw ``m + eps / sqrt(p)``."""
+        eps = jax.random.normal(key, tuple(sample_shape) + jnp.shape(mean), dtype=jnp.result_type(mean))
+        return mean + eps * jax.lax.rsqrt(precision)
+
+    @staticmethod
+    def log_prob(x, mean, precision):
+        return jnp.sum(0.5 * (jnp.log(precision) - _LOG_2PI) - 0.5 * precision * (x - mean) ** 2, axis=tuple(range(-jnp.ndim(mean), 0)))
+
+
+class FullGaussian:
+    r"""Gaussian :math:`\mathcal{N}(m, S^{-1})` over a vector, with a dense precision matrix :math:`S`."""
+
+    @staticmethod
+    def to_natural(mean, precision):
+        return GaussianNatural(precision @ mean, -0.5 * precision)
+
+    @staticmethod
+    def from_natural(natural):
+        precision = -2.0 * natural.eta2
+        return jnp.linalg.solve(precision, natural.eta1), precision
+
+    @staticmethod
+    def expectation(natural):
+        mean, precision = FullGaussian.from_natural(natural)
+        return GaussianExpectation(mean, jnp.outer(mean, mean) + jnp.linalg.inv(precision))
+
+    @staticmethod
+    def from_expectation(expectation):
+        mean = expectation.mu1
+        precision = jnp.linalg.inv(expectation.mu2 - jnp.outer(mean, mean))
+        return FullGaussian.to_natural(mean, precision)
+
+    @staticmethod
+    def log_partition(natural):
+        neg2eta2 = -2.0 * natural.eta2
+        d = natural.eta1.shape[-1]
+        quad = natural.eta1 @ jnp.linalg.solve(neg2eta2, natural.eta1)
+        return 0.5 * quad - 0.5 * jnp.linalg.slogdet(neg2eta2)[1] + 0.5 * d * _LOG_2PI
+
+    @staticmethod
+    def entropy(precision):
+        d = precision.shape[-1]
+        return 0.5 * d * (_LOG_2PI + 1.0) - 0.5 * jnp.linalg.slogdet(precision)[1]
+
+    @staticmethod
+    def sample(key, mean, precision, sample_shape=()):
+        """Reparameterised draw ``m + L eps`` with ``L L^T = S^{-1}``."""
+        scale_tril = precision_to_scale_tril(precision)
+        eps = jax.random.normal(key, tuple(sample_shape) + jnp.shape(mean), dtype=jnp.result_type(mean))
+        return mean + eps @ scale_tril.T
+
+    @staticmethod
+    def log_prob(x, mean, precision):
+        d = mean.shape[-1]
+        diff = x - mean
+        quad = jnp.einsum("...i,ij,...j->...", diff, precision, diff)
+        return 0.5 * (jnp.linalg.slogdet(precision)[1] - d * _LOG_2PI - quad)

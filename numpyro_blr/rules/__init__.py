@@ -1,0 +1,9 @@
+"""Update rules: the Bayesian learning rule for Gaussian natural parameters."""
+
+from numpyro_blr.rules.blr import (
+    diagonal_precision_update,
+    full_precision_update,
+    momentum_update,
+)
+
+__all__ = ["diagonal_precision_update", "full_precision_update", "momentum_update"]
