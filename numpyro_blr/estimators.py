@@ -108,30 +108,30 @@ def reparam_hessian_full(scale_tril, a):
     return 0.5 * (h_t + h_t.T)
 
 
-def _loc_hessian(fn, params, names, forward_mode, scaled_blocks=()):
-    r"""Exact Hessian of ``fn`` w.r.t. the concatenated (raveled) ``params[names]``.
+def _grad_and_loc_hessian(fn, params, names, forward_mode, scaled_blocks=()):
+    r"""Loss, gradients and the exact Hessian w.r.t. the concatenated (raveled) ``params[names]``.
 
-    With ``scaled_blocks``, one more variable :math:`c` multiplies those blocks' scales
-    (:math:`z = m + cL\epsilon`); its column of the Hessian at :math:`c = 1` is
+    One forward-mode Jacobian of the reverse-mode gradient gives all three. With
+    ``scaled_blocks``, one more variable :math:`c` multiplies those blocks' scales
+    (:math:`z = m + cL\epsilon`); the gradient's derivative along it at :math:`c = 1` is
     :math:`\nabla^2\ell(z)\,L\epsilon`, from which the sample's offset :math:`L\epsilon` is solved.
-    Returns ``(H, column)`` (``column`` None without ``scaled_blocks``).
+    Returns ``((loss, aux), grads, H, column)`` (``column`` None without ``scaled_blocks``).
     """
-    locs = {n: params[n] for n in names}
-    flat, unravel = ravel_pytree(locs)
+    flat, unravel = ravel_pytree({n: params[n] for n in names})
     n = flat.shape[0]
 
-    def f(v):
+    def grad_of_locs(v):
         p = {**params, **unravel(v[:n])}
-        if scaled_blocks:
-            for b in scaled_blocks:
-                p[b.scale] = b.transform.inv(v[n] * b.transform(params[b.scale]))
-        return fn(p)[0]
+        for b in scaled_blocks:
+            p[b.scale] = b.transform.inv(v[n] * b.transform(params[b.scale]))
+        out, grads = _value_and_grad(fn, p, forward_mode)
+        return ravel_pytree({k: grads[k] for k in names})[0], (out, grads)
 
     x = jnp.concatenate([flat, jnp.ones((1,), flat.dtype)]) if scaled_blocks else flat
-    h = jax.jacfwd(jax.jacfwd(f))(x) if forward_mode else jax.hessian(f)(x)
+    jac, (out, grads) = jax.jacfwd(grad_of_locs, has_aux=True)(x)
     if scaled_blocks:
-        return h[:n, :n], h[:n, n]
-    return h, None
+        return out, grads, jac[:, :n], jac[:, n]
+    return out, grads, jac, None
 
 
 def estimate(fn, params, layout, hessian="reparam", delta=False, forward_mode=False, point_hessian="autodiff"):
@@ -148,10 +148,6 @@ def estimate(fn, params, layout, hessian="reparam", delta=False, forward_mode=Fa
     if point_hessian not in ("autodiff", "none"):
         raise ValueError(f"point_hessian must be 'autodiff' or 'none', got {point_hessian!r}")
     eval_params = at_mean(params, layout) if delta else params
-    (loss, aux), grads = _value_and_grad(fn, eval_params, forward_mode)
-    if delta:
-        loss, aux = fn(params)
-
     gauss = [b for b in layout.blocks if b.kind in (DIAGONAL, FULL)]
     point_names = [b.loc for b in layout.blocks if b.kind == POINT]
     hess, offsets = None, {}
@@ -160,7 +156,12 @@ def estimate(fn, params, layout, hessian="reparam", delta=False, forward_mode=Fa
     offset_of = {}
     if names:
         scaled = tuple(gauss) if (hessian == "autodiff" and not delta) else ()
-        hess, column = _loc_hessian(fn, eval_params, names, forward_mode, scaled)
+        (loss, aux), grads, hess, column = _grad_and_loc_hessian(fn, eval_params, names, forward_mode, scaled)
+    else:
+        (loss, aux), grads = _value_and_grad(fn, eval_params, forward_mode)
+    if delta:
+        loss, aux = fn(params)
+    if names:
         # ravel_pytree orders dict entries by sorted key
         start = 0
         for n in sorted(names):

@@ -22,12 +22,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.scipy.linalg import solve_triangular
 from numpyro.optim import _NumPyroOptim
 
 from numpyro_blr.estimators import HESSIANS, estimate
-from numpyro_blr.families.gaussian import precision_to_scale_tril, scale_tril_to_precision
 from numpyro_blr.layout import DIAGONAL, FULL, POINT, GuideLayoutError, read_layout
-from numpyro_blr.rules.blr import diagonal_precision_update, full_precision_update, momentum_update
+from numpyro_blr.rules.blr import (
+    diagonal_precision_update,
+    full_precision_update,
+    full_scale_tril_update,
+    momentum_update,
+)
 
 
 AUTODIFF_MAX_DIM = 256
@@ -269,15 +274,14 @@ class BLR(_NumPyroOptim):
                     new_params[b.scale] = b.transform.inv(lax.rsqrt(prec))
             else:  # FULL
                 tril = b.transform(params[b.scale])
-                old_prec = scale_tril_to_precision(tril)
-                if st.offset is not None:
-                    g = g - _finite_or_zero(old_prec @ st.offset)
+                if st.offset is not None:  # S (z - m) = L^-T L^-1 (z - m)
+                    whitened = solve_triangular(tril, st.offset, lower=True)
+                    g = g - _finite_or_zero(solve_triangular(tril.T, whitened, lower=False))
                 new_mom[b.loc], mbar = momentum_update(s.momentum[b.loc], g, self.momentum, t)
                 if st.h is None:
                     new_params[b.loc] = m - lr * mbar
                 else:
-                    prec = full_precision_update(old_prec, tril @ tril.T, st.h, lr, self.improved)
-                    new_tril = precision_to_scale_tril(prec)
+                    new_tril = full_scale_tril_update(tril, st.h, lr, self.improved)
                     new_params[b.loc] = m - lr * (new_tril @ (new_tril.T @ mbar))
                     new_params[b.scale] = b.transform.inv(new_tril)
             checked[b.loc] = (st.g, new_params[b.loc])

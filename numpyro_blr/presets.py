@@ -50,6 +50,6 @@ def von(lr=0.1, momentum=0.0, **kwargs):
 
     :math:`S \leftarrow (1-\rho)S + \rho\,\hat H`, :math:`m \leftarrow m - \rho S^{-1}\hat g` with
     :math:`\hat g, \hat H` from one sample of the guide (Price's theorem), and the improved-BLR
-    correction that keeps :math:`S` positive definite. This is ``nb.BLR``'s default rule.
+    correction that keeps :math:`S` positive definite: ``nb.BLR(lr, hessian="reparam")``.
     """
     return BLR(lr, hessian="reparam", delta=False, momentum=momentum, **kwargs)

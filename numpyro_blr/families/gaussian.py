@@ -16,13 +16,14 @@ The diagonal family is the same with every matrix diagonal, stored as a vector
 All functions are pure and work on the last axis (full) or elementwise (diagonal).
 """
 
+import math
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax.scipy.linalg import solve_triangular
 
-_LOG_2PI = jnp.log(2 * jnp.pi)
+_LOG_2PI = math.log(2 * math.pi)  # a Python float: follows the dtype of the inputs
 
 
 class GaussianNatural(NamedTuple):

@@ -21,24 +21,74 @@ The diagonal version is the same elementwise (it is IVON's Hessian update, Shen 
 """
 
 import jax.numpy as jnp
+from jax.scipy.linalg import solve_triangular
+
+from numpyro_blr.families.gaussian import precision_to_scale_tril, scale_tril_to_precision
 
 
 def diagonal_precision_update(precision, hess, lr, improved=True):
-    """One BLR step on a diagonal precision (elementwise); positive for any ``hess`` when ``improved``."""
-    g = hess - precision
-    new = precision + lr * g
+    """One BLR step on a diagonal precision (elementwise); positive for any ``hess`` when ``improved``.
+
+    The improved step is evaluated as ``p/2 + b^2/(2p)`` with ``b = (1 - lr) p + lr hess``, a sum
+    of non-negative terms, so it stays ``>= p/2`` in floating point as well.
+    """
+    b = (1.0 - lr) * precision + lr * hess  # = precision + lr * g, exact at lr = 1
     if improved:
-        new = new + 0.5 * lr**2 * g * g / precision
-    return new
+        return 0.5 * precision + 0.5 * b * b / precision
+    return b
+
+
+def _improved_factor(chol_precision, hess, lr):
+    r"""``F`` with :math:`F F^\top = S + \rho G + \tfrac{\rho^2}{2} G S^{-1} G`, from :math:`S = R R^\top`.
+
+    With :math:`B = S + \rho G`, the improved update equals :math:`\tfrac12 R R^\top + \tfrac12 (B R^{-\top})(B R^{-\top})^\top`,
+    so :math:`F = [R,\ B R^{-\top}]/\sqrt2` has full row rank (it contains :math:`R`) whatever :math:`\hat H` is.
+    """
+    precision = chol_precision @ chol_precision.T
+    b = (1.0 - lr) * precision + lr * hess
+    r_inv = solve_triangular(chol_precision, jnp.eye(precision.shape[-1], dtype=precision.dtype), lower=True)
+    return jnp.concatenate([chol_precision, b @ r_inv.T], axis=-1) / jnp.sqrt(2.0).astype(precision.dtype)
 
 
 def full_precision_update(precision, covariance, hess, lr, improved=True):
-    """One BLR step on a dense precision ``S`` given its inverse ``covariance``; PD when ``improved``."""
-    g = hess - precision
-    new = precision + lr * g
+    """One BLR step on a dense precision ``S`` given its inverse ``covariance``; PD when ``improved``.
+
+    The improved step is formed as the Gram matrix ``F F^T`` of :func:`_improved_factor`, which is
+    positive definite by construction (no cancellation between the terms).
+    """
+    del covariance  # the factorised form needs only a Cholesky factor of S
     if improved:
-        new = new + 0.5 * lr**2 * (g @ covariance @ g)
+        f = _improved_factor(jnp.linalg.cholesky(precision), hess, lr)
+        new = f @ f.T
+    else:
+        new = (1.0 - lr) * precision + lr * hess  # = precision + lr * g, exact at lr = 1
     return 0.5 * (new + new.T)
+
+
+def full_scale_tril_update(scale_tril, hess, lr, improved=True):
+    r"""The BLR precision step carried out on the covariance's Cholesky factor :math:`L` (:math:`S = L^{-\top}L^{-1}`).
+
+    Returns the new :math:`L`. Improved: :math:`S = R R^\top` with :math:`R = L^{-\top}` reversed to a
+    lower factor, the factor :math:`F` of the new precision is triangularised by a QR
+    decomposition, and the new :math:`L` is read off without forming or inverting :math:`S_{\rm new}`:
+    with :math:`J` the reversal, :math:`(J F)^\top = Q U` gives :math:`S_{\rm new} = J U^\top U J` and
+    :math:`L_{\rm new} = J U^{-1} J`. Plain: :math:`S_{\rm new} = (1-\rho)S + \rho\hat H` and its
+    Cholesky (non-finite if that is not positive definite).
+    """
+    if not improved:
+        new = (1.0 - lr) * scale_tril_to_precision(scale_tril) + lr * hess
+        return precision_to_scale_tril(0.5 * (new + new.T))
+    d = scale_tril.shape[-1]
+    eye = jnp.eye(d, dtype=scale_tril.dtype)
+    l_inv = solve_triangular(scale_tril, eye, lower=True)  # S = l_inv^T l_inv
+    # a lower Cholesky factor of S without forming S: l_inv = Q1 U1 gives S = U1^T U1
+    _, u1 = jnp.linalg.qr(l_inv)
+    chol_s = u1.T * jnp.sign(jnp.diagonal(u1))[None, :]
+    f = _improved_factor(chol_s, hess, lr)
+    _, u = jnp.linalg.qr(jnp.flip(f, axis=0).T)
+    u = u * jnp.sign(jnp.diagonal(u))[:, None]
+    u_inv = solve_triangular(u, eye, lower=False)
+    return jnp.flip(u_inv, axis=(0, 1))
 
 
 def momentum_update(momentum, grad, beta, step):
