@@ -330,17 +330,13 @@ class BLR(_NumPyroOptim):
             )
             return (loss, aux), out_state
 
-        bad = {k: ~(finite[k] if k in finite else loss_ok) | (~loss_ok) for k in params}
-        lax.cond(ok, lambda b: None, lambda b: jax.debug.callback(_report_nonfinite, b), bad)
-        skipped = BLRState(
-            params,
-            s.momentum,
-            s.point_precision,
-            s.fallback_state,
-            {k: s.nonfinite[k] | bad[k] for k in params},
-            s.nonfinite_steps + 1,
-        )
-        out = jax.tree.map(lambda a, b: jnp.where(ok, a, b), new_state, skipped)
+        def reject(_):
+            bad = {k: ~finite.get(k, loss_ok) | ~loss_ok for k in params}
+            jax.debug.callback(_report_nonfinite, bad)
+            flags = {k: s.nonfinite[k] | bad[k] for k in params}
+            return BLRState(params, s.momentum, s.point_precision, s.fallback_state, flags, s.nonfinite_steps + 1)
+
+        out = lax.cond(ok, lambda _: new_state, reject, None)
         return (loss, aux), (t, out)
 
 

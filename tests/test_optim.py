@@ -244,3 +244,21 @@ def test_nonfinite_step_is_skipped_and_reported(small_logistic):
     for k, v in stable.params.items():
         np.testing.assert_array_equal(v, init_params[k])
     assert int(stable.state.optim_state[0]) == 0
+
+
+def test_guide_with_custom_scale_constraint(small_logistic):
+    """A guide whose scales go through exp (constraints.positive): BLR reads it from guide=..."""
+    from numpyro.distributions import constraints
+
+    class ExpScaleNormal(AutoNormal):
+        scale_constraint = constraints.positive
+
+    X, y = small_logistic
+    results = {}
+    for cls in (AutoNormal, ExpScaleNormal):
+        guide = cls(logistic_model)
+        svi = SVI(logistic_model, guide, nb.BLR(0.3, guide=guide), Trace_ELBO())
+        results[cls] = svi.run(jax.random.PRNGKey(0), 10, X, y, progress_bar=False).params
+    # the same algorithm whatever the parameterisation of the scale
+    np.testing.assert_allclose(results[ExpScaleNormal]["w_auto_loc"], results[AutoNormal]["w_auto_loc"], rtol=1e-3, atol=1e-4)
+    np.testing.assert_allclose(results[ExpScaleNormal]["w_auto_scale"], results[AutoNormal]["w_auto_scale"], rtol=1e-3)
