@@ -1,5 +1,7 @@
 """numpyro_blr: the Bayesian learning rule (Khan & Rue 2023) for NumPyro."""
 
+from numpyro_blr import deep
+from numpyro_blr.deep import IVON, adam_blr, bsam, ivon, ogn, rmsprop_blr, sgd_blr, vogn
 from numpyro_blr.families import DiagonalGaussian, FullGaussian
 from numpyro_blr.layout import GuideLayoutError, read_layout
 from numpyro_blr.optim import BLR, BLRState, harmonic_decay, nonfinite_parameters
@@ -7,6 +9,15 @@ from numpyro_blr.presets import gradient_descent, laplace, newton, von
 
 __all__ = [
     "BLR",
+    "IVON",
+    "adam_blr",
+    "bsam",
+    "deep",
+    "ivon",
+    "ogn",
+    "rmsprop_blr",
+    "sgd_blr",
+    "vogn",
     "BLRState",
     "DiagonalGaussian",
     "FullGaussian",

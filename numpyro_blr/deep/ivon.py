@@ -1,0 +1,373 @@
+r"""IVON: the improved variational online Newton method as pure JAX functions.
+
+Shen, Daheim, Cong, Nickl, Marconi, Bazan, Yokota, Gurevych, Cremers, Khan & Möllenhoff (2024),
+"Variational Learning is Effective for Large Deep Networks", ICML 2024 (Algorithm 1).
+
+IVON learns a diagonal Gaussian :math:`q(\theta) = \mathcal N(m, \operatorname{diag}(\sigma^2))`,
+:math:`\sigma^2 = 1/(\lambda (h + \delta))`, where :math:`\lambda` is the effective sample size
+(``ess``, normally the training-set size), :math:`\delta` the weight decay (a Gaussian prior of
+precision :math:`\lambda\delta`) and :math:`h` the running Hessian estimate of the per-example loss.
+One step with :math:`S` Monte Carlo samples is, in this order:
+
+.. math::
+    \theta_s &= m + \epsilon_s / \sqrt{\lambda (h + \delta)}, \quad \epsilon_s \sim \mathcal N(0, I), \\
+    \hat g &= \tfrac1S \textstyle\sum_s \nabla \bar\ell(\theta_s), \qquad
+    \hat h = \lambda (h + \delta)\, \tfrac1S \textstyle\sum_s (\theta_s - m) \odot \nabla\bar\ell(\theta_s)
+        \quad \text{(Price/Stein, pre-update } h), \\
+    g_m &\leftarrow \beta_1 g_m + (1-\beta_1) \hat g, \\
+    h &\leftarrow \beta_2 h + (1-\beta_2) \hat h
+        + \tfrac12 (1-\beta_2)^2 (h - \hat h)^2 / (h + \delta), \\
+    m &\leftarrow m - \alpha_t\, c\, \operatorname{clip}\!\Big(
+        \frac{g_m/(1-\beta_1^t) + \delta m}{h + \delta}, \pm r\Big), \qquad
+        c = h_0 + \delta \text{ if ``rescale_lr`` else } 1.
+
+``hess_approx='gradsq'`` replaces the Price estimate by :math:`\hat h = \lambda\,\tfrac1S\sum_s
+\nabla\bar\ell(\theta_s)^2` (a squared-gradient / Gauss-Newton-like estimate, as in the reference
+implementation, which does not multiply it by :math:`h+\delta`).
+
+The third term of the :math:`h` update is the improved-BLR correction (Lin, Schmidt & Khan 2020):
+with :math:`P = h + \delta` and :math:`x = (1-\beta_2)(\hat h - h)/P` it gives
+:math:`P_{\rm new} = P (1 + x + x^2/2) \ge P/2 > 0` for *any* :math:`\hat h`, so the variance stays
+positive even though the Price estimate can be negative.
+
+The loss :math:`\bar\ell` is the **average** per-example loss of a mini-batch (what you would
+hand to SGD or Adam); ``ess`` turns it into the sum over the data set. The weight decay enters
+both the prior and the update, so do not add an L2 term to the loss as well.
+
+Everything is a pure function of arrays; the state is a :class:`IVONState` ``NamedTuple`` and
+all randomness comes from the ``key`` argument, so ``step`` can be ``jax.jit``-ed, ``lax.scan``-ed
+and ``pmap``-ed (set ``axis_name`` to average the gradient statistics over devices).
+"""
+
+import math
+from typing import Any, Callable, NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+HESS_APPROX = ("price", "gradsq")
+
+
+class IVONState(NamedTuple):
+    """IVON state (fixed-shape arrays only).
+
+    ``params``     the posterior mean :math:`m` (pytree like the model parameters);
+    ``hess``       the Hessian estimate :math:`h` (same pytree), variance is ``1/(ess*(hess+delta))``;
+    ``momentum``   the gradient EMA :math:`g_m` (same pytree);
+    ``count``      number of steps taken (skipped steps are not counted), int32;
+    ``nonfinite``  bool, whether the *last* step was skipped for a non-finite gradient/update;
+    ``skipped``    int32, how many steps were skipped so far.
+    """
+
+    params: Any
+    hess: Any
+    momentum: Any
+    count: jax.Array
+    nonfinite: jax.Array
+    skipped: jax.Array
+
+
+class IVONFunctions(NamedTuple):
+    """The functions returned by :func:`ivon` (optax/blackjax style, all pure)."""
+
+    init: Callable
+    sample: Callable
+    update: Callable
+    step: Callable
+    predictive: Callable
+    apply: Callable
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+def _is_number(x):
+    return not isinstance(x, bool) and isinstance(x, (int, float, np.integer, np.floating))
+
+
+def _check_positive(x, name, allow_zero=False, allow_inf=False):
+    if not _is_number(x):
+        raise ValueError(f"{name} must be a number, got {x!r} of type {type(x).__name__}.")
+    x = float(x)
+    if math.isnan(x) or (math.isinf(x) and not allow_inf):
+        raise ValueError(f"{name} must be finite, got {x}.")
+    if x < 0 or (x == 0 and not allow_zero):
+        raise ValueError(f"{name} must be {'>= 0' if allow_zero else '> 0'}, got {x}.")
+    return x
+
+
+def _check_lr(lr):
+    if callable(lr):
+        return lr
+    return _check_positive(lr, "lr")
+
+
+def _check_beta(beta, name):
+    if not _is_number(beta) or not (0.0 <= float(beta) < 1.0):
+        raise ValueError(f"{name} must be a number in [0, 1), got {beta!r}.")
+    return float(beta)
+
+
+def _check_ess(ess):
+    if ess is None:
+        raise ValueError(
+            "ess (effective sample size) is required: set it to the number of training examples."
+        )
+    return _check_positive(ess, "ess")
+
+
+def check_params(params, what="params"):
+    """Raise ``ValueError`` unless ``params`` is a non-empty pytree of floating arrays of one dtype."""
+    leaves = jax.tree.leaves(params)
+    if not leaves:
+        raise ValueError(f"{what} has no array leaves.")
+    dtypes = {}
+    for path, leaf in jax.tree_util.tree_leaves_with_path(params):
+        dt = jnp.result_type(leaf)
+        if not jnp.issubdtype(dt, jnp.floating):
+            raise ValueError(
+                f"{what} leaf {jax.tree_util.keystr(path)} has non-floating dtype {dt}; "
+                "only floating-point parameters can be learned."
+            )
+        dtypes.setdefault(str(dt), jax.tree_util.keystr(path))
+    if len(dtypes) > 1:
+        raise ValueError(
+            f"{what} mixes dtypes {sorted(dtypes)} (e.g. leaves {sorted(dtypes.values())}); "
+            "cast all parameters to one floating dtype."
+        )
+    return leaves[0].dtype
+
+
+def _lr_at(lr, count):
+    return lr(count) if callable(lr) else lr
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def normal_like(key, tree):
+    """Standard-normal pytree shaped like ``tree`` from one draw (one RNG call keeps compiles small)."""
+    leaves, treedef = jax.tree.flatten(tree)
+    sizes = [int(np.prod(jnp.shape(x))) for x in leaves]
+    flat = jax.random.normal(key, (sum(sizes),), jnp.result_type(leaves[0]))
+    out, start = [], 0
+    for x, n in zip(leaves, sizes):
+        out.append(flat[start:start + n].reshape(jnp.shape(x)))
+        start += n
+    return jax.tree.unflatten(treedef, out)
+
+
+def _stack_samples(samples, like, what):
+    """Accept one pytree, a stacked pytree (leading MC axis) or a list of pytrees; return stacked."""
+    struct = jax.tree.structure(like)
+    if jax.tree.structure(samples) == struct:
+        leaves, ref = jax.tree.leaves(samples), jax.tree.leaves(like)
+        if all(jnp.ndim(a) == jnp.ndim(r) + 1 for a, r in zip(leaves, ref)):
+            return samples
+        if all(jnp.shape(a) == jnp.shape(r) for a, r in zip(leaves, ref)):
+            return jax.tree.map(lambda a: jnp.asarray(a)[None], samples)
+        raise ValueError(f"{what} leaves must have the parameter shapes, optionally with a leading sample axis.")
+    if isinstance(samples, (list, tuple)) and samples and all(
+        jax.tree.structure(s) == struct for s in samples
+    ):
+        return jax.tree.map(lambda *xs: jnp.stack(xs), *samples)
+    raise ValueError(
+        f"{what} must be a pytree like the parameters (optionally with a leading Monte Carlo axis) "
+        "or a list of such pytrees."
+    )
+
+
+def _all_finite(*trees):
+    flags = [jnp.all(jnp.isfinite(x)) for t in trees for x in jax.tree.leaves(t)]
+    return jnp.all(jnp.stack(flags))
+
+
+def _select(ok, new, old):
+    return jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)
+
+
+def hessian_update(h, h_hat, beta2, delta):
+    r"""IVON's improved-BLR Hessian step, elementwise:
+    :math:`\beta_2 h + (1-\beta_2)\hat h + \tfrac12(1-\beta_2)^2 (h-\hat h)^2/(h+\delta)`.
+
+    Guarantees :math:`h_{\rm new}+\delta \ge (h+\delta)/2` for any ``h_hat``.
+    """
+    return beta2 * h + (1.0 - beta2) * h_hat + 0.5 * (1.0 - beta2) ** 2 * (h - h_hat) ** 2 / (h + delta)
+
+
+def predictive(key, state, apply_fn, x, num_samples, *, sample):
+    """Average ``apply_fn(params, x)`` over ``num_samples`` draws ``params ~ q`` from ``sample``.
+
+    ``apply_fn`` should return probabilities (apply the softmax inside it): averaging
+    probabilities, not logits, is the Bayesian model average. ``sample(key, state)`` is the
+    optimizer's ``sample`` (``ivon(...).sample``, ``vogn(...).sample``). Samples are
+    ``vmap``-ed; call it on chunks of ``x`` if memory is short.
+    """
+    keys = jax.random.split(key, num_samples)
+
+    def one(k):
+        p, _ = sample(k, state)
+        return apply_fn(p, x)
+
+    return jnp.mean(jax.vmap(one)(keys), axis=0)
+
+
+# ----------------------------------------------------------------------------- IVON
+
+
+def ivon(
+    lr,
+    ess=None,
+    hess_init=1.0,
+    beta1=0.9,
+    beta2=0.99999,
+    weight_decay=1e-4,
+    mc_samples=1,
+    hess_approx="price",
+    clip_radius=float("inf"),
+    rescale_lr=True,
+    axis_name: Optional[str] = None,
+    vmap_samples=True,
+) -> IVONFunctions:
+    """Build IVON (Shen et al. 2024). Returns an :class:`IVONFunctions` of pure functions:
+
+    ``init(params) -> IVONState``
+        ``m = params``, ``h = hess_init``, zero momentum.
+    ``sample(key, state) -> (params_sample, noise)``
+        ``noise = eps / sqrt(ess*(h + weight_decay))``, ``params_sample = m + noise``.
+    ``update(grads, noises, state) -> IVONState``
+        ``grads``/``noises``: one pytree, a pytree with a leading Monte Carlo axis, or a list of
+        pytrees (one per sample); gradients of the *mean* mini-batch loss at ``m + noise``.
+        Steps whose statistics or result are not finite are skipped (state kept,
+        ``nonfinite=True``, ``skipped += 1``).
+    ``step(key, state, loss_fn, *args) -> (IVONState, loss)``
+        samples ``mc_samples`` weights, evaluates ``jax.value_and_grad(loss_fn)(theta, *args)``
+        for each (``vmap`` if ``vmap_samples`` else a ``lax.scan`` accumulating the means) and
+        updates; ``loss`` is the mean over samples. jit-able (close over ``loss_fn``).
+    ``predictive(key, state, apply_fn, x, num_samples) -> mean of apply_fn over q``.
+    ``apply(g_bar, stat, state) -> IVONState``
+        the step from the Monte Carlo means ``g_bar = mean_s grad`` and ``stat = mean_s noise*grad``
+        (``mean_s grad**2`` for ``'gradsq'``); ``update`` is ``apply`` after averaging. Used by
+        :class:`numpyro_blr.deep.svi.IVON`, which gets these means from the ELBO gradients.
+
+    ``lr`` may be an optax schedule (``count -> lr``). ``axis_name``: inside ``pmap``/``shard_map``
+    the gradient statistics are ``lax.pmean``-ed over that axis (and ``step`` folds the device
+    index into the key so each device draws its own weights).
+    """
+    lr = _check_lr(lr)
+    ess = _check_ess(ess)
+    hess_init = _check_positive(hess_init, "hess_init")
+    beta1 = _check_beta(beta1, "beta1")
+    beta2 = _check_beta(beta2, "beta2")
+    delta = _check_positive(weight_decay, "weight_decay", allow_zero=True)
+    clip_radius = _check_positive(clip_radius, "clip_radius", allow_inf=True)
+    if isinstance(mc_samples, bool) or not isinstance(mc_samples, (int, np.integer)) or mc_samples < 1:
+        raise ValueError(f"mc_samples must be an integer >= 1, got {mc_samples!r}.")
+    mc_samples = int(mc_samples)
+    if hess_approx not in HESS_APPROX:
+        raise ValueError(f"hess_approx must be one of {HESS_APPROX}, got {hess_approx!r}.")
+    scale = hess_init + delta if rescale_lr else 1.0
+
+    def init(params):
+        check_params(params)
+        params = jax.tree.map(jnp.asarray, params)
+        return IVONState(
+            params=params,
+            hess=jax.tree.map(lambda p: jnp.full_like(p, hess_init), params),
+            momentum=jax.tree.map(jnp.zeros_like, params),
+            count=jnp.zeros((), jnp.int32),
+            nonfinite=jnp.zeros((), bool),
+            skipped=jnp.zeros((), jnp.int32),
+        )
+
+    def sample(key, state):
+        eps = normal_like(key, state.params)
+        noise = jax.tree.map(lambda e, h: e * lax.rsqrt(ess * (h + delta)), eps, state.hess)
+        return jax.tree.map(jnp.add, state.params, noise), noise
+
+    def _apply(g_bar, stat, state):
+        """The IVON step from the MC means ``g_bar`` and ``stat`` (mean noise*grad or grad**2)."""
+        if axis_name is not None:
+            g_bar, stat = lax.pmean((g_bar, stat), axis_name)
+        t = state.count + 1
+        alpha = _lr_at(lr, state.count)
+
+        if hess_approx == "price":
+            h_hat = jax.tree.map(lambda h, s: ess * (h + delta) * s, state.hess, stat)
+        else:
+            h_hat = jax.tree.map(lambda s: ess * s, stat)
+        mom_new = jax.tree.map(lambda mom, g: beta1 * mom + (1.0 - beta1) * g, state.momentum, g_bar)
+        h_new = jax.tree.map(lambda h, hh: hessian_update(h, hh, beta2, delta), state.hess, h_hat)
+
+        def mean_step(m, mom, h):
+            debias = 1.0 - jnp.asarray(beta1, m.dtype) ** t.astype(m.dtype)
+            direction = (mom / debias + delta * m) / (h + delta)
+            return (m - alpha * scale * jnp.clip(direction, -clip_radius, clip_radius)).astype(m.dtype)
+
+        m_new = jax.tree.map(mean_step, state.params, mom_new, h_new)
+        ok = _all_finite(g_bar, stat, m_new, h_new, mom_new)
+        return IVONState(
+            params=_select(ok, m_new, state.params),
+            hess=_select(ok, h_new, state.hess),
+            momentum=_select(ok, mom_new, state.momentum),
+            count=jnp.where(ok, t, state.count),
+            nonfinite=~ok,
+            skipped=state.skipped + jnp.where(ok, 0, 1).astype(jnp.int32),
+        )
+
+    def _stats(grads, noises):
+        g_bar = jax.tree.map(lambda g: jnp.mean(g, axis=0), grads)
+        if hess_approx == "price":
+            stat = jax.tree.map(lambda g, n: jnp.mean(n * g, axis=0), grads, noises)
+        else:
+            stat = jax.tree.map(lambda g: jnp.mean(g * g, axis=0), grads)
+        return g_bar, stat
+
+    def update(grads, noises, state):
+        grads = _stack_samples(grads, state.params, "grads")
+        if hess_approx == "price":
+            noises = _stack_samples(noises, state.params, "noises")
+            if jax.tree.leaves(noises)[0].shape[0] != jax.tree.leaves(grads)[0].shape[0]:
+                raise ValueError("grads and noises must hold the same number of Monte Carlo samples.")
+        return _apply(*_stats(grads, noises), state)
+
+    def step(key, state, loss_fn, *args):
+        if axis_name is not None:
+            key = jax.random.fold_in(key, lax.axis_index(axis_name))
+        keys = jax.random.split(key, mc_samples)
+        vg = jax.value_and_grad(loss_fn)
+
+        if mc_samples == 1:  # no vmap/scan: a batch-1 vmap turns every matmul into a batched one
+            theta, noise = sample(keys[0], state)
+            loss, g = vg(theta, *args)
+            g_bar, stat = _stats(*jax.tree.map(lambda x: x[None], (g, noise)))
+        elif vmap_samples:
+            thetas, noises = jax.vmap(sample, in_axes=(0, None))(keys, state)
+            losses, grads = jax.vmap(lambda th: vg(th, *args))(thetas)
+            g_bar, stat = _stats(grads, noises)
+            loss = jnp.mean(losses)
+        else:
+            zeros = jax.tree.map(jnp.zeros_like, state.params)
+
+            def body(carry, k):
+                loss_sum, g_sum, s_sum = carry
+                theta, noise = sample(k, state)
+                loss, g = vg(theta, *args)
+                s = jax.tree.map(jnp.multiply, noise, g) if hess_approx == "price" else jax.tree.map(jnp.square, g)
+                return (loss_sum + loss, jax.tree.map(jnp.add, g_sum, g), jax.tree.map(jnp.add, s_sum, s)), None
+
+            init_carry = (jnp.zeros((), jax.tree.leaves(state.params)[0].dtype), zeros, zeros)
+            (loss_sum, g_sum, s_sum), _ = lax.scan(body, init_carry, keys)
+            g_bar = jax.tree.map(lambda x: x / mc_samples, g_sum)
+            stat = jax.tree.map(lambda x: x / mc_samples, s_sum)
+            loss = loss_sum / mc_samples
+        if axis_name is not None:
+            loss = lax.pmean(loss, axis_name)
+        return _apply(g_bar, stat, state), loss
+
+    def _predictive(key, state, apply_fn, x, num_samples):
+        return predictive(key, state, apply_fn, x, num_samples, sample=sample)
+
+    return IVONFunctions(init=init, sample=sample, update=update, step=step, predictive=_predictive, apply=_apply)

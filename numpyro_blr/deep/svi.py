@@ -1,0 +1,190 @@
+r"""``IVON`` as a NumPyro optimizer: ``SVI(model, guide, IVON(lr=..., ess=N), Trace_ELBO())``.
+
+The guide must be a diagonal Gaussian over unconstrained latents (``AutoNormal``:
+``{site}_auto_loc``/``{site}_auto_scale``; ``AutoDiagonalNormal``: ``auto_loc``/``auto_scale``;
+scales through ``softplus`` or any other elementwise bijection). Its mean :math:`m` is the
+``loc`` and its standard deviation :math:`\sigma` the constrained ``scale``.
+
+**Mapping ELBO -> IVON.** SVI minimises :math:`L(m, \sigma) = \mathbb E_q[U(z)] - \mathbb H[q]`
+with :math:`U(z) = -\log p(\mathcal D, z)`, a *sum* over the data set plus the prior (and any
+Jacobian). IVON works with the per-example average loss and a sample size :math:`\lambda`
+(``ess``). We set
+
+.. math::
+    \bar\ell(z) = U(z) / \lambda, \qquad \lambda (h + \delta) = 1/\sigma^2,
+
+i.e. the guide's precision plays IVON's :math:`\lambda(h+\delta)` and :math:`\delta` is
+``weight_decay`` (an *extra* Gaussian prior of precision :math:`\lambda\delta` applied by the
+optimizer, on top of the model's prior; default 0, because the model already has its prior).
+With the reparametrised sample :math:`z = m + \sigma\epsilon` (fixed within a step, as SVI
+fixes the key), the ELBO gradients are
+
+.. math::
+    \partial L/\partial m = \nabla U(z), \qquad
+    \partial L/\partial\sigma + 1/\sigma = \epsilon \odot \nabla U(z)
+    \quad\text{(Price/Stein)},
+
+averaged over particles with ``Trace_ELBO(num_particles=S)``. :math:`\partial L/\partial\sigma`
+is obtained from the raw-scale gradient by the vjp of the inverse scale transform. IVON's
+Monte Carlo means are therefore
+
+.. math::
+    \hat g = \frac{1}{\lambda}\frac{\partial L}{\partial m}, \qquad
+    \overline{\text{noise}\odot\nabla\bar\ell} = \frac{\sigma}{\lambda}
+        \Big(\frac{\partial L}{\partial\sigma} + \frac1\sigma\Big), \qquad
+    h = \frac{1}{\lambda\sigma^2} - \delta,
+
+and the step is exactly :func:`numpyro_blr.deep.ivon`'s (momentum, improved-BLR :math:`h`
+update with :math:`\beta_2`, mean step with ``rescale_lr`` and clipping), after which the scale
+is written back as :math:`\sigma = 1/\sqrt{\lambda(h+\delta)}`. Consequences:
+
+* The fixed point does not depend on ``ess``: the mean step is
+  :math:`\alpha c\,(\nabla U + \lambda\delta m)/(\nabla^2 U + \lambda\delta)` and the precision
+  tracks :math:`\mathbb E_q[\nabla^2 U] + \lambda\delta`. ``ess`` sets the units of ``hess_init``
+  and ``weight_decay`` (per-example, as in :func:`~numpyro_blr.deep.ivon`): use the number of data
+  points the likelihood sums over, then IVON's usual hyper-parameters carry over.
+* ``hess_init`` overwrites the guide's initial scales with :math:`1/\sqrt{\lambda(h_0+\delta)}`
+  (as IVON's init does); ``hess_init=None`` keeps the guide's ``init_scale`` and turns
+  ``rescale_lr`` off (:math:`c = 1`).
+* Steps with a non-finite loss, statistic or update are skipped (parameters and momentum kept),
+  ``nonfinite`` is set and ``skipped`` counted in the state (``svi_result.state.optim_state[1]``).
+"""
+
+from typing import Any, NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from numpyro.optim import _NumPyroOptim, _value_and_grad
+
+from numpyro_blr.deep.ivon import IVONState, ivon
+from numpyro_blr.layout import DIAGONAL, GuideLayoutError, read_layout
+
+
+class IVONSVIState(NamedTuple):
+    """``params``: the guide's unconstrained parameters; ``momentum``: IVON's gradient EMA per loc
+    (in per-example units, :math:`\\nabla U/\\lambda`); ``count``: IVON steps taken; ``nonfinite``:
+    whether the last step was skipped; ``skipped``: how many were; ``fallback_state``: the optax
+    state of non-Gaussian parameters (``()`` without a fallback)."""
+
+    params: dict
+    momentum: dict
+    count: jax.Array
+    nonfinite: jax.Array
+    skipped: jax.Array
+    fallback_state: Any
+
+
+def _finite(*trees):
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for t in trees for x in jax.tree.leaves(t)]))
+
+
+class IVON(_NumPyroOptim):
+    """IVON (Shen et al. 2024) for SVI with a diagonal Gaussian guide; see the module docstring.
+
+    :param lr: learning rate :math:`\\alpha` (float or optax schedule of the step count).
+    :param ess: effective sample size :math:`\\lambda`: the number of data points the model's
+        likelihood sums over.
+    :param hess_init: initial :math:`h_0` (sets the initial scales); ``None`` keeps the guide's.
+    :param beta1, beta2, clip_radius, rescale_lr: as in :func:`numpyro_blr.deep.ivon`.
+    :param weight_decay: :math:`\\delta`, an extra prior precision per example added by the
+        optimizer (default 0: the model's prior is already in the ELBO).
+    :param fallback: optax ``GradientTransformation`` for parameters outside the Gaussian.
+    :param guide, prefix: to read a non-default autoguide prefix or scale constraint.
+    """
+
+    def __init__(self, lr, ess=None, hess_init: Optional[float] = 1.0, beta1=0.9, beta2=0.99999,
+                 weight_decay=0.0, clip_radius=float("inf"), rescale_lr=True, *, fallback=None,
+                 guide=None, prefix=None):
+        self.core = ivon(lr, ess, hess_init=1.0 if hess_init is None else hess_init, beta1=beta1,
+                         beta2=beta2, weight_decay=weight_decay, clip_radius=clip_radius,
+                         rescale_lr=bool(rescale_lr) and hess_init is not None)
+        self.ess, self.delta = float(ess), float(weight_decay)
+        self.hess_init = None if hess_init is None else float(hess_init)
+        if fallback is not None and not (hasattr(fallback, "init") and hasattr(fallback, "update")):
+            raise ValueError(f"fallback must be an optax GradientTransformation, got {type(fallback).__name__}.")
+        self.fallback = fallback
+        self.prefix = prefix or getattr(guide, "prefix", None) or "auto"
+        self.scale_constraint = getattr(guide, "scale_constraint", None)
+        self.update_with_value = False
+
+    def layout(self, params):
+        layout = read_layout(params, self.prefix, self.scale_constraint)
+        bad = [b.loc for b in layout.blocks if b.kind != DIAGONAL]
+        if bad or not layout.blocks:
+            raise GuideLayoutError(
+                f"IVON needs a diagonal Gaussian guide ('<site>_{self.prefix}_loc'/'<site>_{self.prefix}_scale' "
+                f"or '{self.prefix}_loc'/'{self.prefix}_scale': AutoNormal, AutoDiagonalNormal); "
+                f"got parameters {sorted(params)}" + (f" (not diagonal Gaussian: {bad})" if bad else "") + "."
+            )
+        if layout.other and self.fallback is None:
+            raise GuideLayoutError(
+                f"IVON cannot treat the parameter(s) {list(layout.other)} as part of a Gaussian guide; "
+                "pass fallback=optax.adam(1e-3) (or another optax optimizer) to update them."
+            )
+        return layout
+
+    def init(self, params):
+        layout = self.layout(params)
+        params = dict(params)
+        if self.hess_init is not None:
+            sd = (self.ess * (self.hess_init + self.delta)) ** -0.5
+            for b in layout.blocks:
+                params[b.scale] = b.transform.inv(jnp.full_like(params[b.scale], sd))
+        other = {k: params[k] for k in layout.other}
+        state = IVONSVIState(
+            params=params,
+            momentum={b.loc: jnp.zeros_like(params[b.loc]) for b in layout.blocks},
+            count=jnp.zeros((), jnp.int32),
+            nonfinite=jnp.zeros((), bool),
+            skipped=jnp.zeros((), jnp.int32),
+            fallback_state=self.fallback.init(other) if self.fallback is not None else (),
+        )
+        return jnp.array(0), state
+
+    def get_params(self, state):
+        return state[1].params
+
+    def update(self, g, state, value=None):
+        raise TypeError("IVON needs the loss function: use it through numpyro.infer.SVI (eval_and_update).")
+
+    def eval_and_update(self, fn, state, forward_mode_differentiation=False):
+        return self._step(fn, state, forward_mode_differentiation, stable=False)
+
+    def eval_and_stable_update(self, fn, state, forward_mode_differentiation=False):
+        return self._step(fn, state, forward_mode_differentiation, stable=True)
+
+    def _step(self, fn, state, forward_mode, stable):
+        i, s = state
+        params = s.params
+        layout = self.layout(params)
+        (loss, aux), grads = _value_and_grad(fn, x=params, forward_mode_differentiation=forward_mode)
+        lam, delta = self.ess, self.delta
+        m, h, g_bar, stat = {}, {}, {}, {}
+        for b in layout.blocks:
+            sd = b.transform(params[b.scale])
+            _, vjp = jax.vjp(b.transform.inv, sd)
+            (dl_dsd,) = vjp(grads[b.scale])  # dL/dsigma from dL/draw
+            m[b.loc] = params[b.loc]
+            h[b.loc] = 1.0 / (lam * sd**2) - delta  # lambda (h + delta) = 1 / sigma^2
+            g_bar[b.loc] = grads[b.loc] / lam  # grad of U/lambda at z
+            stat[b.loc] = (sd * dl_dsd + 1.0) / lam  # sigma*eps * grad(U/lambda) = noise * grad
+        core = self.core.apply(g_bar, stat, IVONState(m, h, s.momentum, s.count, s.nonfinite, s.skipped))
+
+        new_params = dict(params)
+        for b in layout.blocks:
+            new_params[b.loc] = core.params[b.loc]
+            new_params[b.scale] = b.transform.inv(lax.rsqrt(lam * (core.hess[b.loc] + delta)))
+        new_fb = s.fallback_state
+        if layout.other:
+            other_g = {k: grads[k] for k in layout.other}
+            updates, new_fb = self.fallback.update(other_g, s.fallback_state, {k: params[k] for k in layout.other})
+            for k in layout.other:
+                new_params[k] = params[k] + updates[k]
+        ok = ~core.nonfinite & jnp.isfinite(loss) & _finite(new_params, new_fb)
+        new = IVONSVIState(new_params, core.momentum, core.count, jnp.zeros((), bool), s.skipped, new_fb)
+        flagged = s._replace(nonfinite=jnp.ones((), bool), skipped=s.skipped + 1)
+        out = jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, flagged)
+        if stable:  # as numpyro's stable update: a bad step keeps the iteration count and returns nan
+            return (jnp.where(ok, loss, jnp.nan), aux), (jnp.where(ok, i + 1, i), out)
+        return (loss, aux), (i + 1, out)

@@ -1,0 +1,258 @@
+"""IVON (Shen et al. 2024) checked against the published equations, written out in numpy."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from numpyro_blr.deep import hessian_update, ivon
+
+SHAPES = {"w": (2, 3), "b": (3,)}
+
+
+def _tree(rng, scale=1.0):
+    return {k: (scale * rng.standard_normal(s)).astype(np.float32) for k, s in SHAPES.items()}
+
+
+def _numpy_ivon(m, h, mom, grads, noises, t, *, lr, ess, delta, b1, b2, hess_init, clip=np.inf, gradsq=False):
+    """One IVON step (Algorithm 1 of Shen et al. 2024), plain numpy float64, one leaf."""
+    g = np.mean(grads, axis=0)
+    if gradsq:
+        h_hat = ess * np.mean(np.square(grads), axis=0)
+    else:
+        h_hat = ess * (h + delta) * np.mean(noises * grads, axis=0)
+    mom = b1 * mom + (1 - b1) * g
+    h = b2 * h + (1 - b2) * h_hat + 0.5 * (1 - b2) ** 2 * (h - h_hat) ** 2 / (h + delta)
+    step = (mom / (1 - b1**t) + delta * m) / (h + delta)
+    m = m - lr * (hess_init + delta) * np.clip(step, -clip, clip)
+    return m, h, mom
+
+
+HYPER = dict(lr=0.05, ess=50.0, hess_init=0.3, beta1=0.9, beta2=0.9, weight_decay=1e-2)
+
+
+@pytest.mark.parametrize("hess_approx", ["price", "gradsq"])
+@pytest.mark.parametrize("form", ["list", "stacked"])
+def test_several_steps_match_hand_equations(hess_approx, form):
+    rng = np.random.default_rng(0)
+    opt = ivon(**HYPER, hess_approx=hess_approx, clip_radius=3.0)
+    update = jax.jit(opt.update)
+    m0 = _tree(rng)
+    state = opt.init(m0)
+    ref = {k: (m0[k].astype(np.float64), np.full(s, HYPER["hess_init"]), np.zeros(s)) for k, s in SHAPES.items()}
+    S = 2
+    for t in range(1, 5):
+        grads = [_tree(rng, 3.0) for _ in range(S)]
+        noises = [_tree(rng, 0.5) for _ in range(S)]
+        if form == "list":
+            state = update(grads, noises, state)
+        else:
+            stack = lambda xs: jax.tree.map(lambda *a: jnp.stack(a), *xs)
+            state = update(stack(grads), stack(noises), state)
+        for k in SHAPES:
+            G = np.stack([g[k] for g in grads]).astype(np.float64)
+            N = np.stack([n[k] for n in noises]).astype(np.float64)
+            ref[k] = _numpy_ivon(
+                *ref[k], G, N, t, lr=HYPER["lr"], ess=HYPER["ess"], delta=HYPER["weight_decay"],
+                b1=HYPER["beta1"], b2=HYPER["beta2"], hess_init=HYPER["hess_init"], clip=3.0,
+                gradsq=hess_approx == "gradsq",
+            )
+            np.testing.assert_allclose(state.params[k], ref[k][0], rtol=1e-5, atol=1e-6)
+            np.testing.assert_allclose(state.hess[k], ref[k][1], rtol=1e-5, atol=1e-6)
+            np.testing.assert_allclose(state.momentum[k], ref[k][2], rtol=1e-5, atol=1e-6)
+        assert int(state.count) == t and not bool(state.nonfinite)
+
+
+def test_one_step_numbers_by_hand():
+    # scalar parameter, one MC sample, written out: m=1, h=0.5, delta=0.1, ess=10, lr=0.2
+    # noise=0.3, grad=2: h_hat = 10*0.6*0.6 = 3.6; mom = 0.1*2 = 0.2;
+    # h = 0.5*0.5 + 0.5*3.6 + 0.5*0.25*(0.5-3.6)^2/0.6 = 0.25 + 1.8 + 1.20125/0.6 = 4.0520833...
+    # m = 1 - 0.2*(0.5+0.1)*((0.2/0.1 + 0.1*1)/(4.0520833+0.1)) = 1 - 0.12*2.1/4.1520833...
+    opt = ivon(lr=0.2, ess=10.0, hess_init=0.5, beta1=0.9, beta2=0.5, weight_decay=0.1)
+    state = opt.update({"x": jnp.array(2.0)}, {"x": jnp.array(0.3)}, opt.init({"x": jnp.array(1.0)}))
+    np.testing.assert_allclose(state.hess["x"], 0.25 + 1.8 + 1.20125 / 0.6, rtol=1e-6)
+    np.testing.assert_allclose(state.momentum["x"], 0.2, rtol=1e-6)
+    np.testing.assert_allclose(state.params["x"], 1 - 0.12 * 2.1 / (0.25 + 1.8 + 1.20125 / 0.6 + 0.1), rtol=1e-6)
+
+
+def test_sample_scale_and_rescale_lr_off():
+    opt = ivon(lr=0.1, ess=100.0, hess_init=3.0, weight_decay=1.0)
+    state = opt.init({"a": jnp.zeros(20000)})
+    theta, noise = opt.sample(jax.random.key(0), state)
+    np.testing.assert_array_equal(theta["a"], noise["a"])
+    # std must be 1/sqrt(100*(3+1)) = 0.05; sample std of 20000 normals has rel. s.e. 1/sqrt(40000) = 0.5%
+    np.testing.assert_allclose(np.std(noise["a"]), 0.05, rtol=0.03)
+    # rescale_lr=False: first step with zero noise is m - lr*(g/(h+delta) + ...); no hess_init factor
+    opt2 = ivon(lr=0.1, ess=100.0, hess_init=3.0, weight_decay=1.0, beta2=0.5, rescale_lr=False)
+    s = opt2.update({"a": jnp.array(4.0)}, {"a": jnp.array(0.0)}, opt2.init({"a": jnp.array(0.0)}))
+    h = 0.5 * 3.0 + 0.0 + 0.5 * 0.25 * 9.0 / 4.0
+    np.testing.assert_allclose(s.params["a"], -0.1 * 4.0 / (h + 1.0), rtol=1e-6)
+
+
+def test_step_equals_sample_grad_update_and_jits():
+    loss = lambda p, x, y: jnp.mean((x @ p["w"] + p["b"] - y) ** 2)
+    rng = np.random.default_rng(1)
+    x, y = rng.standard_normal((8, 2)).astype(np.float32), rng.standard_normal((8, 3)).astype(np.float32)
+    opt = ivon(lr=0.1, ess=8.0, mc_samples=2)
+    state = opt.init(_tree(rng))
+    key = jax.random.key(3)
+
+    @jax.jit
+    def manual_step(key, state):
+        samples = [opt.sample(k, state) for k in jax.random.split(key, 2)]
+        grads = [jax.grad(loss)(th, x, y) for th, _ in samples]
+        mean_loss = sum(loss(th, x, y) for th, _ in samples) / 2
+        return opt.update(grads, [n for _, n in samples], state), mean_loss
+
+    manual, manual_loss = manual_step(key, state)
+    for vmap_samples in (True, False):  # vmap over the MC samples, or a scan accumulating the means
+        o = ivon(lr=0.1, ess=8.0, mc_samples=2, vmap_samples=vmap_samples)
+        new, l = jax.jit(lambda k, s: o.step(k, s, loss, x, y))(key, state)
+        for a, b in zip(jax.tree.leaves(new), jax.tree.leaves(manual)):
+            np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-6)
+        np.testing.assert_allclose(l, manual_loss, rtol=1e-5)
+
+
+def test_axis_name_pmean_equals_pooled_samples():
+    rng = np.random.default_rng(2)
+    grads, noises = [_tree(rng) for _ in range(2)], [_tree(rng) for _ in range(2)]
+    stack = lambda xs: jax.tree.map(lambda *a: jnp.stack(a), *xs)
+    dist = ivon(**HYPER, axis_name="dev")
+    state = dist.init(_tree(rng))
+    pooled_opt = ivon(**HYPER)
+
+    @jax.jit
+    def both(g, n, state):
+        out = jax.vmap(dist.update, in_axes=(0, 0, None), axis_name="dev")(stack(g), stack(n), state)
+        return out, pooled_opt.update(g, n, state)
+
+    out, pooled = both(grads, noises, state)
+    for a, b in zip(jax.tree.leaves(pooled), jax.tree.leaves(out)):
+        np.testing.assert_allclose(b[0], a, rtol=1e-6, atol=1e-7)
+        np.testing.assert_allclose(b[1], a, rtol=1e-6, atol=1e-7)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    h=st.floats(0.0, 1e6),
+    h_hat=st.floats(-1e8, 1e8),
+    beta2=st.floats(0.0, 0.999999),
+    delta=st.floats(1e-8, 10.0),
+)
+def test_positivity_for_adversarial_hessian(h, h_hat, beta2, delta):
+    # P_new = P (1 + x + x^2/2) with x = (1-b2)(h_hat-h)/P, and 1 + x + x^2/2 >= 1/2 for all real x.
+    new = hessian_update(np.float64(h), np.float64(h_hat), beta2, delta)  # plain float64 arithmetic
+    assert new + delta >= 0.5 * (h + delta) * (1 - 1e-12)
+
+
+_POS_OPT = ivon(lr=0.1, ess=3.0, hess_init=1.0, beta2=0.5, weight_decay=1e-3)
+_POS_UPDATE = jax.jit(_POS_OPT.update)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    h=st.lists(st.floats(0.0, 1e3, width=32), min_size=16, max_size=16),
+    h_hat=st.lists(st.floats(-1e6, 1e6, width=32), min_size=16, max_size=16),
+)
+def test_positivity_through_update_float32(h, h_hat):
+    # noise = 1 and grad = h_hat / (ess (h + delta)) make the Price estimate equal to h_hat
+    h, h_hat, P = np.float32(h), np.float32(h_hat), np.float32(h) + np.float32(1e-3)
+    st0 = _POS_OPT.init({"a": jnp.zeros(16)})._replace(hess={"a": jnp.asarray(h)})
+    st1 = _POS_UPDATE({"a": jnp.asarray(h_hat / (3.0 * P))}, {"a": jnp.ones(16)}, st0)
+    assert not bool(st1.nonfinite)
+    # float32 rounding of the three terms: allow a relative 1e-5 slack
+    assert np.all(np.asarray(st1.hess["a"]) + 1e-3 >= 0.5 * P * (1 - 1e-5))
+
+
+def test_quadratic_hessian_and_variance_converge():
+    # loss per example: 0.5 * sum a_i (theta_i - c_i)^2; ess = N; prior precision N*delta.
+    # Exact posterior: precision N (a + delta), mean a c / (a + delta).
+    d, N, delta, b2, T = 256, 1000.0, 1e-3, 0.999, 8000
+    rng = np.random.default_rng(0)
+    a = jnp.asarray(rng.uniform(0.5, 3.0, d), jnp.float32)
+    c = jnp.asarray(rng.standard_normal(d), jnp.float32)
+    loss = lambda p: 0.5 * jnp.sum(a * (p - c) ** 2)
+    opt = ivon(lr=0.05, ess=N, hess_init=1.0, beta2=b2, weight_decay=delta)
+
+    def body(s, k):
+        return opt.step(k, s, loss)[0], None
+
+    state, _ = jax.jit(lambda s, ks: jax.lax.scan(body, s, ks))(opt.init(jnp.zeros(d)), jax.random.split(jax.random.key(0), T))
+    ratio = np.asarray(state.hess) / np.asarray(a)
+    # The Price estimate here is h_hat = a * z^2, z ~ N(0,1): mean a, variance 2 a^2. The EMA with
+    # weight 1-b2 has stationary relative s.d. sqrt((1-b2)/(1+b2) * 2) = 0.032 per coordinate, a bias
+    # of about (1-b2) = 0.001 from the improved-BLR term and a transient exp(-T(1-b2)) < 4e-4.
+    # Per coordinate: 7 s.d. = 0.22 (256 coordinates). Mean over 256 independent coordinates:
+    # s.d. 0.032/16 = 0.002, so 0.012 is ~5 s.d. plus the bias.
+    assert np.max(np.abs(ratio - 1)) < 0.22
+    assert abs(np.mean(ratio) - 1) < 0.012
+    # posterior variance of the samples vs the exact 1/(N(a+delta)): 4000 draws give a relative s.e.
+    # of sqrt(2/4000) = 0.022 per coordinate, 0.0014 for the mean over 256 coordinates; add the h error.
+    thetas, noises = jax.vmap(opt.sample, in_axes=(0, None))(jax.random.split(jax.random.key(1), 4000), state)
+    var_ratio = np.var(np.asarray(noises), axis=0) * N * (np.asarray(a) + delta)
+    assert abs(np.mean(var_ratio) - 1) < 0.02
+    assert np.max(np.abs(var_ratio - 1)) < 0.35
+    # mean: within 5 posterior s.d. of the exact posterior mean (it jitters with the gradient noise)
+    post_mean = a * c / (a + delta)
+    post_sd = 1 / np.sqrt(N * (np.asarray(a) + delta))
+    assert np.max(np.abs(np.asarray(state.params) - post_mean) / post_sd) < 5
+
+
+def test_nonfinite_step_is_skipped():
+    opt = ivon(**HYPER)
+    state = opt.init({"x": jnp.ones(3)})
+    good = opt.update({"x": jnp.ones(3)}, {"x": 0.1 * jnp.ones(3)}, state)
+    bad = opt.update({"x": jnp.array([1.0, jnp.nan, 1.0])}, {"x": 0.1 * jnp.ones(3)}, good)
+    assert bool(bad.nonfinite) and int(bad.skipped) == 1 and int(bad.count) == 1
+    for a, b in zip(jax.tree.leaves((good.params, good.hess, good.momentum)), jax.tree.leaves((bad.params, bad.hess, bad.momentum))):
+        np.testing.assert_array_equal(a, b)
+    inf = opt.update({"x": jnp.full(3, 1e30)}, {"x": jnp.full(3, 1e30)}, bad)  # overflowing Hessian
+    assert bool(inf.nonfinite) and int(inf.skipped) == 2 and np.all(np.isfinite(inf.hess["x"]))
+    again = opt.update({"x": jnp.ones(3)}, {"x": 0.1 * jnp.ones(3)}, inf)
+    assert not bool(again.nonfinite) and int(again.count) == 2 and int(again.skipped) == 2
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(lr=0.1), "ess"),
+        (dict(lr=0.1, ess=0.0), "ess"),
+        (dict(lr=0.1, ess="many"), "ess"),
+        (dict(lr=-0.1, ess=10.0), "lr"),
+        (dict(lr=0.1, ess=10.0, weight_decay=-1e-4), "weight_decay"),
+        (dict(lr=0.1, ess=10.0, beta1=1.0), "beta1"),
+        (dict(lr=0.1, ess=10.0, beta2=-0.1), "beta2"),
+        (dict(lr=0.1, ess=10.0, hess_init=0.0), "hess_init"),
+        (dict(lr=0.1, ess=10.0, mc_samples=0), "mc_samples"),
+        (dict(lr=0.1, ess=10.0, hess_approx="fisher"), "hess_approx"),
+        (dict(lr=0.1, ess=10.0, clip_radius=0.0), "clip_radius"),
+    ],
+)
+def test_bad_hyperparameters(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        ivon(**kwargs)
+
+
+def test_bad_params_and_inputs():
+    opt = ivon(lr=0.1, ess=10.0)
+    with pytest.raises(ValueError, match="mixes dtypes"):
+        opt.init({"a": jnp.zeros(2, jnp.float32), "b": jnp.zeros(2, jnp.bfloat16)})
+    with pytest.raises(ValueError, match="non-floating"):
+        opt.init({"a": jnp.zeros(2, jnp.int32)})
+    state = opt.init({"a": jnp.zeros(2)})
+    with pytest.raises(ValueError, match="grads"):
+        opt.update({"b": jnp.zeros(2)}, {"a": jnp.zeros(2)}, state)
+
+
+def test_predictive_averages_probabilities():
+    opt = ivon(lr=0.1, ess=4.0, hess_init=1.0)
+    state = opt.init({"w": jnp.zeros((3, 2))})
+    apply = lambda p, x: jax.nn.softmax(x @ p["w"])
+    x = jnp.ones((5, 3))
+    out = opt.predictive(jax.random.key(0), state, apply, x, 4)
+    keys = jax.random.split(jax.random.key(0), 4)
+    manual = jax.jit(lambda s: sum(apply(opt.sample(keys[i], s)[0], x) for i in range(4)) / 4)(state)
+    np.testing.assert_allclose(out, manual, rtol=1e-5)
+    np.testing.assert_allclose(np.sum(out, -1), 1.0, rtol=1e-5)
