@@ -1,8 +1,9 @@
 """numpyro_blr: the Bayesian learning rule (Khan & Rue 2023) for NumPyro."""
 
-from numpyro_blr import deep
+from numpyro_blr import deep, diagnostics, infer
 from numpyro_blr.deep import IVON, adam_blr, bsam, ivon, ogn, rmsprop_blr, sgd_blr, vogn
-from numpyro_blr.families import DiagonalGaussian, FullGaussian
+from numpyro_blr.families import Bernoulli, Beta, Categorical, DiagonalGaussian, Dirichlet, FullGaussian, Gamma
+from numpyro_blr.infer import conjugate_fit
 from numpyro_blr.layout import GuideLayoutError, read_layout
 from numpyro_blr.optim import BLR, BLRState, harmonic_decay, nonfinite_parameters
 from numpyro_blr.presets import gradient_descent, laplace, newton, von
@@ -13,6 +14,14 @@ __all__ = [
     "adam_blr",
     "bsam",
     "deep",
+    "diagnostics",
+    "infer",
+    "conjugate_fit",
+    "Bernoulli",
+    "Beta",
+    "Categorical",
+    "Dirichlet",
+    "Gamma",
     "ivon",
     "ogn",
     "rmsprop_blr",

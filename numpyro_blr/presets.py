@@ -39,9 +39,14 @@ def laplace(**kwargs):
 
     With ``AutoMultivariateNormal`` the guide holds :math:`\mathcal{N}(m^*, \nabla^2\ell(m^*)^{-1})` once
     the iterations converge (a few steps for log-concave posteriors), which is NumPyro's
-    ``AutoLaplaceApproximation`` computed by the BLR.
+    ``AutoLaplaceApproximation`` computed by the BLR. Unlike :func:`newton` it uses the improved
+    BLR by default: far from the mode (saturated logits, say) an undamped Newton step can jump
+    away, while the improved step is damped there by its extra term
+    :math:`\tfrac{\rho^2}{2} G S^{-1} G`, which vanishes at the fixed point
+    :math:`S = \nabla^2\ell(m^*)`, so the converged approximation is the same.
     """
     kwargs.setdefault("lr", 1.0)
+    kwargs.setdefault("improved", True)
     return newton(**kwargs)
 
 

@@ -1,0 +1,295 @@
+"""numpyro_blr.diagnostics: conversion to ArviZ, Pareto k-hat, LOO, memory perturbation, plots."""
+
+import warnings
+
+import arviz as az
+import jax
+import jax.numpy as jnp
+import numpy as np
+import numpyro
+import numpyro.distributions as dist
+import pytest
+from numpyro.infer import MCMC, NUTS, SVI, Trace_ELBO
+from numpyro.infer.autoguide import AutoDelta, AutoDiagonalNormal, AutoMultivariateNormal, AutoNormal
+
+import numpyro_blr as nb
+from numpyro_blr import diagnostics as nd
+from numpyro_blr.diagnostics import plots
+
+from conftest import logistic_model
+
+EIGHT_Y = np.array([28.0, 8.0, -3.0, 7.0, -1.0, 1.0, 18.0, 12.0])
+EIGHT_SIGMA = np.array([15.0, 10.0, 16.0, 11.0, 9.0, 11.0, 10.0, 18.0])
+
+
+def glm(X, y=None):
+    w = numpyro.sample("w", dist.Normal(0.0, 1.0).expand([X.shape[1]]).to_event(1))
+    with numpyro.plate("obs_id", X.shape[0]):
+        numpyro.sample("y", dist.Bernoulli(logits=X @ w), obs=y)
+
+
+def centered_eight(sigma, y=None):
+    mu = numpyro.sample("mu", dist.Normal(0.0, 5.0))
+    tau = numpyro.sample("tau", dist.HalfCauchy(5.0))
+    with numpyro.plate("school", sigma.shape[0]):
+        theta = numpyro.sample("theta", dist.Normal(mu, tau))
+        numpyro.sample("obs", dist.Normal(theta, sigma), obs=y)
+
+
+def glm_data(n, seed=0):
+    rng = np.random.default_rng(seed)
+    X = np.hstack([np.ones((n, 1)), rng.normal(size=(n, 2))]).astype(np.float32)
+    y = (rng.random(n) < 1 / (1 + np.exp(-X @ np.array([0.2, 0.5, -0.5])))).astype(np.float32)
+    return jnp.asarray(X), jnp.asarray(y)
+
+
+def exact_map(X, y, weights=None, prior_prec=1.0, iters=25):
+    """MAP and Hessian of the Bernoulli-logit GLM with a N(0, 1/prior_prec) prior (Newton, float64)."""
+    X, y = np.asarray(X, np.float64), np.asarray(y, np.float64)
+    wts = np.ones(len(y)) if weights is None else weights
+    w = np.zeros(X.shape[1])
+    for _ in range(iters):
+        p = 1 / (1 + np.exp(-X @ w))
+        g = X.T @ (wts * (p - y)) + prior_prec * w
+        H = (X * (wts * p * (1 - p))[:, None]).T @ X + prior_prec * np.eye(X.shape[1])
+        w = w - np.linalg.solve(H, g)
+    return w, H
+
+
+@pytest.fixture(scope="module")
+def glm_fit():
+    """BLR full-Gaussian fit of a 3-coefficient logistic regression (n = 1000): a near-Gaussian posterior."""
+    X, y = glm_data(1000)
+    guide = AutoMultivariateNormal(glm)
+    res = SVI(glm, guide, nb.BLR(), Trace_ELBO()).run(jax.random.PRNGKey(0), 100, X, y, progress_bar=False)
+    tree = nd.to_datatree(guide, res.params, glm, X, y, num_samples=1000, rng_key=jax.random.PRNGKey(1), losses=res.losses)
+    return X, y, guide, res, tree
+
+
+# -- conversion ---------------------------------------------------------------------------------
+def test_tree_groups_dims_and_draws(glm_fit):
+    X, y, guide, res, tree = glm_fit
+    for group in ("posterior", "posterior_predictive", "log_likelihood", "observed_data", "sample_stats", "fit_history"):
+        assert group in tree.children, group
+    post = tree["posterior"].ds
+    assert dict(post["w"].sizes) == {"chain": 1, "draw": 1000, "w_dim_0": 3}
+    assert tree["log_likelihood"].ds["y"].dims == ("chain", "draw", "obs_id")
+    assert tree["posterior_predictive"].ds["y"].shape == (1, 1000, 1000)
+    np.testing.assert_array_equal(tree["observed_data"].ds["y"].values, np.asarray(y))
+    np.testing.assert_allclose(tree["fit_history"].ds["loss"].values, np.asarray(res.losses))
+    same = guide.sample_posterior(jax.random.PRNGKey(1), res.params, sample_shape=(1000,))
+    np.testing.assert_array_equal(post["w"].values[0], np.asarray(same["w"]))
+    # pointwise log likelihood = Bernoulli log pmf at the draws
+    w = post["w"].values[0, :5]
+    ll = dist.Bernoulli(logits=jnp.asarray(w) @ X.T).log_prob(y)
+    np.testing.assert_allclose(tree["log_likelihood"].ds["y"].values[0, :5], ll, rtol=1e-5, atol=1e-5)
+
+
+def test_plated_and_vector_sites_autonormal():
+    def model(sigma, y=None):
+        mu = numpyro.sample("mu", dist.Normal(0.0, 5.0))
+        beta = numpyro.sample("beta", dist.Normal(0.0, 1.0).expand([2]).to_event(1))
+        with numpyro.plate("school", sigma.shape[0]):
+            theta = numpyro.sample("theta", dist.Normal(mu + beta[0], 5.0))
+            numpyro.deterministic("shifted", theta + beta[1])
+            numpyro.sample("obs", dist.Normal(theta, sigma), obs=y)
+
+    guide = AutoNormal(model)
+    svi = SVI(model, guide, numpyro.optim.Adam(0.1), Trace_ELBO())
+    state = svi.init(jax.random.PRNGKey(0), EIGHT_SIGMA, EIGHT_Y)
+    params = svi.get_params(state)
+    coords = {"school": list("ABCDEFGH")}
+    tree = nd.to_datatree(guide, params, model, EIGHT_SIGMA, EIGHT_Y, num_samples=50, rng_key=jax.random.PRNGKey(2), coords=coords)
+    post = tree["posterior"].ds
+    same = guide.sample_posterior(jax.random.PRNGKey(2), params, EIGHT_SIGMA, EIGHT_Y, sample_shape=(50,))
+    assert post["theta"].dims == ("chain", "draw", "school")
+    assert list(post["school"].values) == list("ABCDEFGH")
+    assert post["beta"].shape == (1, 50, 2) and post["mu"].shape == (1, 50)
+    for k in ("mu", "beta", "theta"):
+        np.testing.assert_array_equal(post[k].values[0], np.asarray(same[k]))
+    np.testing.assert_allclose(post["shifted"].values, post["theta"].values + post["beta"].values[..., 1:2], rtol=1e-6)
+    assert tree["log_likelihood"].ds["obs"].dims == ("chain", "draw", "school")
+    assert az.summary(tree, kind="stats") is not None
+
+
+def test_loo_and_compare_run_on_tree(glm_fit):
+    X, y, guide, res, tree = glm_fit
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        loo = az.loo(tree)
+        m, H = exact_map(X, y)
+        lap = dict(res.params, auto_loc=jnp.asarray(m, jnp.float32), auto_scale_tril=jnp.asarray(np.linalg.cholesky(np.linalg.inv(H)), jnp.float32))
+        tree_lap = nd.to_datatree(guide, lap, glm, X, y, num_samples=1000, rng_key=jax.random.PRNGKey(1))
+        cmp = az.compare({"blr": tree, "laplace": tree_lap}, round_to="none")
+    assert np.isfinite(loo.elpd) and loo.n_data_points == 1000
+    assert set(cmp.index) == {"blr", "laplace"}
+    assert abs(cmp.loc["blr", "elpd"] - cmp.loc["laplace", "elpd"]) < 1.0
+    vi = nd.loo_vi(tree)
+    assert abs(vi.elpd - loo.elpd) < 1.0
+
+
+# -- is the fit trustworthy? ---------------------------------------------------------------------
+def test_khat_good_for_near_gaussian_posterior(glm_fit):
+    X, y, guide, res, tree = glm_fit
+    result = nd.check_guide(guide, res.params, glm, X, y, num_samples=4000, rng_key=jax.random.PRNGKey(3))
+    assert result.khat < 0.5 and result.verdict == "good", result
+    assert result.ess > 3000
+    # NumPyro's own PSIS k-hat (numpyro.infer.psis_diagnostic, other draws and tail fit) agrees on the verdict
+    k_np = numpyro.infer.psis_diagnostic(jax.random.PRNGKey(4), res.params, glm, guide, X, y, num_particles=4000)
+    assert k_np < 0.5
+    # PSIS-corrected means stay within the Monte Carlo error of the plain means
+    e = nd.psis_expectation(tree)
+    sd = tree["posterior"].ds["w"].std(("chain", "draw")).values
+    np.testing.assert_array_less(np.abs(e["w"].sel(stat="mean").values - tree["posterior"].ds["w"].mean(("chain", "draw")).values), 0.2 * sd)
+
+
+def test_exact_posterior_gives_uniform_weights():
+    """Conjugate linear regression with q = the exact posterior: constant ratios, uniform weights."""
+    rng = np.random.default_rng(0)
+    X = np.hstack([np.ones((30, 1)), rng.normal(size=(30, 2))])
+    y = X @ np.array([1.0, 2.0, -1.0]) + 0.5 * rng.normal(size=30)
+
+    def lin(X, y=None):
+        w = numpyro.sample("w", dist.Normal(0.0, 1.0).expand([3]).to_event(1))
+        numpyro.sample("y", dist.Normal(X @ w, 0.5), obs=y)
+
+    prec = X.T @ X / 0.25 + np.eye(3)
+    cov = np.linalg.inv(prec)
+    mean = cov @ X.T @ y / 0.25
+    for guide, params in [
+        (AutoMultivariateNormal(lin), {"auto_loc": mean, "auto_scale_tril": np.linalg.cholesky(cov)}),
+        (AutoDiagonalNormal(lin), None),
+    ]:
+        svi = SVI(lin, guide, numpyro.optim.Adam(0.1), Trace_ELBO())
+        svi.init(jax.random.PRNGKey(0), jnp.asarray(X, jnp.float32), jnp.asarray(y, jnp.float32))
+        if params is None:  # diagonal: the ratio is a quadratic form, not constant; only check it is finite
+            continue
+        params = {k: jnp.asarray(v, jnp.float32) for k, v in params.items()}
+        r = nd.check_guide(guide, params, lin, jnp.asarray(X, jnp.float32), jnp.asarray(y, jnp.float32), num_samples=1000)
+        assert np.std(r.log_ratio) < 2e-3, np.std(r.log_ratio)
+        np.testing.assert_allclose(np.exp(r.log_weights) * 1000, 1.0, atol=0.02)
+        assert r.verdict == "good"
+    assert nd.psis(np.zeros(100), np.zeros(100)).khat == -np.inf
+
+
+def test_khat_flags_centered_eight_schools_mean_field():
+    # the mean-field family cannot fit the funnel of the centred eight schools, whatever the optimizer
+    # (nb.BLR() gives k-hat ~ 1.0-1.2 too; Adam is used here because it compiles in a tenth of the time)
+    guide = AutoNormal(centered_eight)
+    res = SVI(centered_eight, guide, numpyro.optim.Adam(0.05), Trace_ELBO()).run(
+        jax.random.PRNGKey(0), 1000, EIGHT_SIGMA, EIGHT_Y, progress_bar=False
+    )
+    r = nd.check_guide(guide, res.params, centered_eight, EIGHT_SIGMA, EIGHT_Y, num_samples=4000)
+    assert r.khat > 0.7 and r.verdict == "unreliable", r
+    assert [nd.khat_verdict(k) for k in (0.3, 0.6, 0.9, np.nan)] == ["good", "ok", "unreliable", "unreliable"]
+
+
+# -- memory perturbation --------------------------------------------------------------------------
+def test_memory_perturbation_matches_brute_force_refits():
+    """Nickl et al. (2023): LOO output shifts v_i e_i from the Laplace-Gaussian vs 50 exact MAP refits."""
+    X, y = glm_data(50, seed=3)
+    Xn, yn = np.asarray(X, np.float64), np.asarray(y, np.float64)
+    w_full, H = exact_map(Xn, yn)
+    # the Gaussian as an AutoMultivariateNormal's params (what nb.laplace() / nb.BLR() leave in the guide)
+    params = {"auto_loc": w_full, "auto_scale_tril": np.linalg.cholesky(np.linalg.inv(H))}
+    m, cov = nd.gaussian_from_params(params)
+    mp = nd.memory_perturbation(m, cov, yn, X=Xn)
+    f_full = Xn @ w_full
+    true_shift = np.empty(50)
+    for i in range(50):
+        wts = np.ones(50)
+        wts[i] = 0.0
+        w_i, _ = exact_map(Xn, yn, weights=wts)
+        true_shift[i] = Xn[i] @ w_i - f_full[i]
+    assert np.corrcoef(mp.loo_shift, true_shift)[0, 1] >= 0.9
+    mp1 = nd.memory_perturbation(m, cov, yn, X=Xn, rank_one=True)
+    assert np.corrcoef(mp1.loo_shift, true_shift)[0, 1] >= 0.95
+    # the linearised predict_fn path and a diagonal AutoNormal-style Gaussian run through the same code
+    mp2 = nd.memory_perturbation(m, cov, yn, predict_fn=lambda w: jnp.asarray(Xn) @ w)
+    np.testing.assert_allclose(mp2.variance, mp.variance, rtol=1e-4)
+    np.testing.assert_allclose(mp.sensitivity, mp.precision * mp.variance * np.abs(mp.residual), rtol=1e-6)
+    md, cd = nd.gaussian_from_params({"w_auto_loc": w_full, "w_auto_scale": np.sqrt(np.diag(cov))})
+    np.testing.assert_allclose(np.diag(cd), np.diag(cov), rtol=1e-5)
+
+
+# -- bad input ------------------------------------------------------------------------------------
+def test_guide_without_a_site_is_named():
+    def partial_guide(sigma, y=None):
+        loc = numpyro.param("mu_loc", 0.0)
+        numpyro.sample("mu", dist.Normal(loc, 1.0))
+        numpyro.sample("tau", dist.LogNormal(0.0, 1.0))
+
+    with pytest.raises(nd.DiagnosticsError, match="'theta'"):
+        nd.to_datatree(partial_guide, {"mu_loc": jnp.array(0.0)}, centered_eight, EIGHT_SIGMA, EIGHT_Y, num_samples=10)
+
+
+def test_model_without_observed_site_is_named():
+    def prior_only():
+        numpyro.sample("z", dist.Normal(0.0, 1.0))
+
+    guide = AutoNormal(prior_only)
+    svi = SVI(prior_only, guide, numpyro.optim.Adam(0.1), Trace_ELBO())
+    params = svi.get_params(svi.init(jax.random.PRNGKey(0)))
+    with pytest.raises(nd.DiagnosticsError, match="no observed sample site.*'z'"):
+        nd.to_datatree(guide, params, prior_only, num_samples=10)
+    tree = nd.to_datatree(guide, params, prior_only, num_samples=10, log_likelihood=False)
+    assert "log_likelihood" not in tree.children
+
+
+def test_mismatched_dims_are_named(glm_fit):
+    X, y, guide, res, tree = glm_fit
+    with pytest.raises(nd.DiagnosticsError, match="'w'"):
+        nd.to_datatree(guide, res.params, glm, X, y, num_samples=10, dims={"w": ["a", "b"]})
+    with pytest.raises(nd.DiagnosticsError, match="'w'.*coef"):
+        nd.to_datatree(guide, res.params, glm, X, y, num_samples=10, dims={"w": ["coef"]}, coords={"coef": ["a", "b"]})
+    with pytest.raises(nd.DiagnosticsError, match="'nope'"):
+        nd.to_datatree(guide, res.params, glm, X, y, num_samples=10, dims={"nope": ["a"]})
+    with pytest.raises(nd.DiagnosticsError, match="'x'"):
+        nd.to_datatree(guide, res.params, glm, X, y, num_samples=10, observed={"x": y})
+    ok = nd.to_datatree(guide, res.params, glm, X, y, num_samples=10, dims={"w": ["coef"]}, coords={"coef": ["b0", "b1", "b2"]})
+    assert list(ok["posterior"].ds["coef"].values) == ["b0", "b1", "b2"]
+
+
+def test_point_mass_has_no_importance_ratios():
+    X, y = glm_data(20)
+    guide = AutoDelta(glm)
+    svi = SVI(glm, guide, numpyro.optim.Adam(0.1), Trace_ELBO())
+    params = svi.get_params(svi.init(jax.random.PRNGKey(0), X, y))
+    tree = nd.to_datatree(guide, params, glm, X, y, num_samples=10)
+    assert "sample_stats" not in tree.children
+    with pytest.raises(ValueError, match="AutoDelta"):
+        nd.check_guide(guide, params, glm, X, y, num_samples=10)
+
+
+# -- plots ----------------------------------------------------------------------------------------
+def test_plots_write_pngs(glm_fit, tmp_path):
+    X, y, guide, res, tree = glm_fit
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        loo = az.loo(tree, pointwise=True)
+        paths = [
+            plots.plot_loss({"BLR": tree, "raw": np.asarray(res.losses)}, tmp_path / "loss.png"),
+            plots.plot_forest({"BLR": tree, "again": tree}, tmp_path / "forest.png", var_names=["w"]),
+            plots.plot_khat(loo, tmp_path / "khat_loo.png"),
+            plots.plot_khat({"BLR": 0.3, "mean-field": 0.9}, tmp_path / "khat_fits.png"),
+            plots.plot_ppc(tree, tmp_path / "ppc.png"),
+        ]
+    for p in paths:
+        assert p.exists() and p.stat().st_size > 1000, p
+
+
+# -- accuracy against NUTS ------------------------------------------------------------------------
+@pytest.mark.slow
+def test_loo_of_blr_fit_matches_nuts(breast_cancer):
+    X, y = breast_cancer
+    guide = AutoMultivariateNormal(logistic_model)
+    res = SVI(logistic_model, guide, nb.BLR(), Trace_ELBO()).run(jax.random.PRNGKey(0), 300, X, y, progress_bar=False)
+    tree = nd.to_datatree(guide, res.params, logistic_model, X, y, num_samples=2000, rng_key=jax.random.PRNGKey(1), posterior_predictive=False)
+    mcmc = MCMC(NUTS(logistic_model), num_warmup=500, num_samples=1000, num_chains=2, chain_method="sequential", progress_bar=False)
+    mcmc.run(jax.random.PRNGKey(2), X, y)
+    ref = az.from_numpyro(mcmc, log_likelihood=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        elpd_nuts = az.loo(ref).elpd
+        elpd_blr = nd.loo_vi(tree).elpd
+    assert abs(elpd_blr - elpd_nuts) < 0.5, (elpd_blr, elpd_nuts)
