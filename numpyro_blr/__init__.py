@@ -1,6 +1,8 @@
 """numpyro_blr: the Bayesian learning rule (Khan & Rue 2023) for NumPyro."""
 
-from numpyro_blr import deep, diagnostics, infer
+from numpyro_blr import deep, diagnostics, infer, mixture
+from numpyro_blr.bayesbinn import bayesbinn
+from numpyro_blr.mixture import mixture_blr, multimodal_optimization
 from numpyro_blr.deep import IVON, adam_blr, bsam, ivon, ogn, rmsprop_blr, sgd_blr, vogn
 from numpyro_blr.families import Bernoulli, Beta, Categorical, DiagonalGaussian, Dirichlet, FullGaussian, Gamma
 from numpyro_blr.infer import conjugate_fit
@@ -16,6 +18,10 @@ __all__ = [
     "deep",
     "diagnostics",
     "infer",
+    "mixture",
+    "mixture_blr",
+    "multimodal_optimization",
+    "bayesbinn",
     "conjugate_fit",
     "Bernoulli",
     "Beta",

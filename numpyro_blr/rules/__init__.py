@@ -4,7 +4,14 @@ from numpyro_blr.rules.blr import (
     diagonal_precision_update,
     full_precision_update,
     full_scale_tril_update,
+    improved_precision_factor,
     momentum_update,
 )
 
-__all__ = ["diagonal_precision_update", "full_precision_update", "full_scale_tril_update", "momentum_update"]
+__all__ = [
+    "diagonal_precision_update",
+    "full_precision_update",
+    "full_scale_tril_update",
+    "improved_precision_factor",
+    "momentum_update",
+]

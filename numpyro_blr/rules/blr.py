@@ -38,7 +38,7 @@ def diagonal_precision_update(precision, hess, lr, improved=True):
     return b
 
 
-def _improved_factor(chol_precision, hess, lr):
+def improved_precision_factor(chol_precision, hess, lr):
     r"""``F`` with :math:`F F^\top = S + \rho G + \tfrac{\rho^2}{2} G S^{-1} G`, from :math:`S = R R^\top`.
 
     With :math:`B = S + \rho G`, the improved update equals :math:`\tfrac12 R R^\top + \tfrac12 (B R^{-\top})(B R^{-\top})^\top`,
@@ -53,12 +53,12 @@ def _improved_factor(chol_precision, hess, lr):
 def full_precision_update(precision, covariance, hess, lr, improved=True):
     """One BLR step on a dense precision ``S`` given its inverse ``covariance``; PD when ``improved``.
 
-    The improved step is formed as the Gram matrix ``F F^T`` of :func:`_improved_factor`, which is
+    The improved step is formed as the Gram matrix ``F F^T`` of :func:`improved_precision_factor`, which is
     positive definite by construction (no cancellation between the terms).
     """
     del covariance  # the factorised form needs only a Cholesky factor of S
     if improved:
-        f = _improved_factor(jnp.linalg.cholesky(precision), hess, lr)
+        f = improved_precision_factor(jnp.linalg.cholesky(precision), hess, lr)
         new = f @ f.T
     else:
         new = (1.0 - lr) * precision + lr * hess  # = precision + lr * g, exact at lr = 1
@@ -84,7 +84,7 @@ def full_scale_tril_update(scale_tril, hess, lr, improved=True):
     # a lower Cholesky factor of S without forming S: l_inv = Q1 U1 gives S = U1^T U1
     _, u1 = jnp.linalg.qr(l_inv)
     chol_s = u1.T * jnp.sign(jnp.diagonal(u1))[None, :]
-    f = _improved_factor(chol_s, hess, lr)
+    f = improved_precision_factor(chol_s, hess, lr)
     _, u = jnp.linalg.qr(jnp.flip(f, axis=0).T)
     u = u * jnp.sign(jnp.diagonal(u))[:, None]
     u_inv = solve_triangular(u, eye, lower=False)
