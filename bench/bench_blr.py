@@ -77,4 +77,4 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args()
-    main(adam_steps=1000 if args.quick else 4000, blr_steps=200)
+    main(adam_steps=1000 if args.quick else 4000, blr_steps=400)

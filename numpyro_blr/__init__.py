@@ -4,6 +4,7 @@ from numpyro_blr import deep, diagnostics, infer, mixture
 from numpyro_blr.bayesbinn import bayesbinn
 from numpyro_blr.mixture import mixture_blr, multimodal_optimization
 from numpyro_blr.deep import IVON, adam_blr, bsam, ivon, ogn, rmsprop_blr, sgd_blr, vogn
+from numpyro_blr.guides import ExpFamilyGuide
 from numpyro_blr.families import Bernoulli, Beta, Categorical, DiagonalGaussian, Dirichlet, FullGaussian, Gamma
 from numpyro_blr.infer import conjugate_fit
 from numpyro_blr.layout import GuideLayoutError, read_layout
@@ -12,6 +13,7 @@ from numpyro_blr.presets import gradient_descent, laplace, newton, von
 
 __all__ = [
     "BLR",
+    "ExpFamilyGuide",
     "IVON",
     "adam_blr",
     "bsam",

@@ -11,6 +11,8 @@ guide                       parameters                                  block
 ``AutoMultivariateNormal``  ``auto_loc``, ``auto_scale_tril``           full
 ``AutoDelta``               ``{site}_auto_loc``                         point
 ``AutoLaplaceApproximation`` ``auto_loc``                               point
+``ExpFamilyGuide``          ``{site}_blr_normal_loc``/``_normal_scale``  diagonal
+``ExpFamilyGuide``          ``{site}_blr_{family}_{param}``             expfam
 ==========================  ==========================================  =========
 
 Scales are stored through ``softplus`` (``constraints.softplus_positive``) and the Cholesky
@@ -30,6 +32,20 @@ from numpyro.distributions.transforms import biject_to
 DIAGONAL = "diagonal"
 FULL = "full"
 POINT = "point"
+EXPFAM = "expfam"
+
+# ExpFamilyGuide (numpyro_blr.guides) names its parameters ``{site}_{prefix}_{family}_{param}``;
+# every parameter of one family must be present for the site to be read as a block. ``normal``
+# sites become ordinary diagonal Gaussian blocks (softplus scale); the others are EXPFAM blocks,
+# updated by numpyro_blr.expfam_blocks.
+EXPFAM_PARAMS = {
+    "normal": ("loc", "scale"),
+    "gamma": ("concentration", "rate"),
+    "beta": ("concentration1", "concentration0"),
+    "dirichlet": ("concentration",),
+    "bernoulli": ("logits",),
+    "categorical": ("logits",),
+}
 
 
 @dataclass(frozen=True)
@@ -45,6 +61,46 @@ class GaussianBlock:
     def transform(self):
         """The bijection from the raw (unconstrained) scale parameter to ``s`` or ``L``."""
         return biject_to(self.scale_constraint)
+
+
+@dataclass(frozen=True)
+class ExpFamBlock:
+    """One ExpFamilyGuide site with a non-Gaussian family; ``names`` are its raw parameters in
+    the order of :data:`EXPFAM_PARAMS`, ``loc`` the first of them (a handle for per-block state)."""
+
+    kind: str
+    loc: str
+    family: str
+    names: tuple
+    stem: str
+
+
+def _read_expfam(params, used):
+    """ExpFamilyGuide blocks: ``{stem}_{family}_{param}`` names with all of the family's params."""
+    blocks = []
+    for name in sorted(params):
+        if name in used:
+            continue
+        for family, pnames in EXPFAM_PARAMS.items():
+            suffix = f"_{family}_{pnames[0]}"
+            if not name.endswith(suffix) or len(name) == len(suffix):
+                continue
+            stem = name[: -len(suffix)]
+            names = tuple(f"{stem}_{family}_{p}" for p in pnames)
+            if not all(n in params and n not in used for n in names):
+                continue
+            if family == "normal":
+                if params[names[1]].shape != params[names[0]].shape:
+                    raise GuideLayoutError(
+                        f"{names[0]!r} has shape {params[names[0]].shape} but {names[1]!r} has shape "
+                        f"{params[names[1]].shape}: a diagonal Gaussian needs equal shapes."
+                    )
+                blocks.append(GaussianBlock(DIAGONAL, names[0], names[1], constraints.softplus_positive))
+            else:
+                blocks.append(ExpFamBlock(EXPFAM, names[0], family, names, stem))
+            used.update(names)
+            break
+    return blocks
 
 
 @dataclass(frozen=True)
@@ -109,5 +165,6 @@ def read_layout(params, prefix="auto", scale_constraint=None, scale_tril_constra
         else:
             blocks.append(GaussianBlock(POINT, name))
             used.add(name)
+    blocks += _read_expfam(params, used)
     other = tuple(sorted(set(params) - used))
     return Layout(tuple(blocks), other)

@@ -26,7 +26,8 @@ from jax.scipy.linalg import solve_triangular
 from numpyro.optim import _NumPyroOptim
 
 from numpyro_blr.estimators import HESSIANS, estimate
-from numpyro_blr.layout import DIAGONAL, FULL, POINT, GuideLayoutError, read_layout
+from numpyro_blr import expfam_blocks
+from numpyro_blr.layout import DIAGONAL, EXPFAM, FULL, POINT, GuideLayoutError, read_layout
 from numpyro_blr.rules.blr import (
     diagonal_precision_update,
     full_precision_update,
@@ -119,7 +120,8 @@ class BLR(_NumPyroOptim):
     r"""The Bayesian learning rule for Gaussian guides, as a NumPyro optimizer.
 
     :param lr: step size :math:`\rho` (float > 0 or an optax schedule ``step -> rho``). Default:
-        :func:`harmonic_decay` ``0.5 / (1 + t/10)``.
+        :func:`harmonic_decay` ``0.5 / (1 + t/10)`` (see :meth:`default_lr` for sampled Hessians
+        on full-covariance guides).
     :param hessian: how :math:`\mathbb{E}_q[\nabla^2\ell]` is estimated: ``"reparam"`` (Price/Stein,
         from the gradient w.r.t. the scale, with a same-noise baseline: two gradient passes),
         ``"price"`` (the plain one-pass Price estimator), ``"autodiff"`` (exact Hessian at the sample;
@@ -155,7 +157,7 @@ class BLR(_NumPyroOptim):
         guide=None,
         prefix: Optional[str] = None,
     ):
-        self.lr = harmonic_decay() if lr is None else _check_lr(lr)
+        self.lr = None if lr is None else _check_lr(lr)
         if hessian is not None and hessian not in HESSIANS:
             raise ValueError(f"hessian must be one of {HESSIANS} or None, got {hessian!r}.")
         if delta and hessian in ("reparam", "price"):
@@ -176,6 +178,7 @@ class BLR(_NumPyroOptim):
         self.scale_constraint = getattr(guide, "scale_constraint", None)
         self.scale_tril_constraint = getattr(guide, "scale_tril_constraint", None)
         self.update_with_value = False
+        self.max_enumerate = getattr(guide, "max_enumerate", None)  # ExpFamilyGuide checks its own limit
 
     # -- structure -------------------------------------------------------------------------
     def layout(self, params):
@@ -186,7 +189,8 @@ class BLR(_NumPyroOptim):
                 f"nb.BLR found no Gaussian in the parameters {sorted(params)}: it expects an autoguide's "
                 f"'<site>_{self.prefix}_loc'/'<site>_{self.prefix}_scale', '{self.prefix}_loc'/"
                 f"'{self.prefix}_scale_tril' or point-mass '{self.prefix}_loc' parameters. Use AutoNormal, "
-                "AutoDiagonalNormal, AutoMultivariateNormal or AutoDelta, or pass guide=... if it uses another prefix."
+                "AutoDiagonalNormal, AutoMultivariateNormal or AutoDelta, or pass guide=... if it uses another prefix "
+                "(for positive, unit-interval, simplex or discrete latents use nb.ExpFamilyGuide)."
             )
         if layout.other and self.fallback is None:
             raise GuideLayoutError(
@@ -201,7 +205,7 @@ class BLR(_NumPyroOptim):
             return self.hessian
         if self.delta:
             return "autodiff"
-        dim = sum(int(np.prod(params[b.loc].shape)) for b in layout.blocks if b.kind != POINT)
+        dim = sum(int(np.prod(params[b.loc].shape)) for b in layout.blocks if b.kind in (DIAGONAL, FULL))
         return "autodiff" if dim <= AUTODIFF_MAX_DIM else "reparam"
 
     def _point_dim(self, params, layout):
@@ -239,9 +243,23 @@ class BLR(_NumPyroOptim):
         return self._step(fn, state, forward_mode_differentiation, stable=True)
 
     # -- the step --------------------------------------------------------------------------
-    def step_size(self, i):
-        """:math:`\\rho` at step ``i`` (counted from 0)."""
-        return self.lr(i) if callable(self.lr) else self.lr
+    def default_lr(self, params, layout):
+        """The schedule used when ``lr`` is not given.
+
+        ``harmonic_decay(0.5, 10)``, except with a sampled Hessian (``"price"``, ``"reparam"``) on a
+        full-covariance block of dimension ``D``: a one-sample estimate of a ``D x D`` Hessian has
+        noise of order ``D`` times the signal, so there the schedule starts at ``min(0.5, 1/D)``
+        and halves over 100 steps.
+        """
+        full = [params[b.loc].shape[-1] for b in layout.blocks if b.kind == FULL]
+        if full and self.hessian_for(params, layout) in ("price", "reparam"):
+            return harmonic_decay(min(0.5, 1.0 / max(full)), 100)
+        return harmonic_decay(0.5, 10)
+
+    def step_size(self, i, params, layout):
+        """:math:`\\rho` at step ``i`` (counted from 0) for a guide with these ``params``."""
+        lr = self.lr if self.lr is not None else self.default_lr(params, layout)
+        return lr(i) if callable(lr) else lr
 
     def _step(self, fn, state, forward_mode, stable):
         i, s = state
@@ -251,11 +269,17 @@ class BLR(_NumPyroOptim):
             fn, params, layout, self.hessian_for(params, layout), self.delta, forward_mode, self.point_hessian
         )
         t = i + 1
-        lr = jnp.asarray(self.step_size(i), dtype=jnp.result_type(float))
+        lr = jnp.asarray(self.step_size(i, params, layout), dtype=jnp.result_type(float))
         new_params, new_mom = dict(params), dict(s.momentum)
         checked = {}  # parameter name -> arrays that must be finite for its update to be valid
 
         for b in layout.blocks:
+            if b.kind == EXPFAM:  # ExpFamilyGuide's Gamma/Beta/Dirichlet/Bernoulli/Categorical sites
+                new = expfam_blocks.update_block(b, fn, params, grads, lr, self.improved, self.max_enumerate)
+                new_params.update(new)
+                for n in b.names:
+                    checked[n] = (grads[n], new[n])
+                continue
             if b.kind == POINT:
                 continue
             st = stats[b.loc]
