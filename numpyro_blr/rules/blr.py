@@ -68,9 +68,10 @@ def full_precision_update(precision, covariance, hess, lr, improved=True):
 def full_scale_tril_update(scale_tril, hess, lr, improved=True):
     r"""The BLR precision step carried out on the covariance's Cholesky factor :math:`L` (:math:`S = L^{-\top}L^{-1}`).
 
-    Returns the new :math:`L`. Improved: :math:`S = R R^\top` with :math:`R = L^{-\top}` reversed to a
-    lower factor, the factor :math:`F` of the new precision is triangularised by a QR
-    decomposition, and the new :math:`L` is read off without forming or inverting :math:`S_{\rm new}`:
+    Returns the new :math:`L`. Improved: with :math:`R = L^{-\top}` (so :math:`R R^\top = S` and
+    :math:`R^{-\top} = L`), :math:`F = [R,\ B L]/\sqrt2` is a factor of the new precision (as in
+    :func:`improved_precision_factor`); it is triangularised by a QR decomposition, and the new
+    :math:`L` is read off without forming or inverting :math:`S_{\rm new}`:
     with :math:`J` the reversal, :math:`(J F)^\top = Q U` gives :math:`S_{\rm new} = J U^\top U J` and
     :math:`L_{\rm new} = J U^{-1} J`. Plain: :math:`S_{\rm new} = (1-\rho)S + \rho\hat H` and its
     Cholesky (non-finite if that is not positive definite).
@@ -81,10 +82,10 @@ def full_scale_tril_update(scale_tril, hess, lr, improved=True):
     d = scale_tril.shape[-1]
     eye = jnp.eye(d, dtype=scale_tril.dtype)
     l_inv = solve_triangular(scale_tril, eye, lower=True)  # S = l_inv^T l_inv
-    # a lower Cholesky factor of S without forming S: l_inv = Q1 U1 gives S = U1^T U1
-    _, u1 = jnp.linalg.qr(l_inv)
-    chol_s = u1.T * jnp.sign(jnp.diagonal(u1))[None, :]
-    f = improved_precision_factor(chol_s, hess, lr)
+    # F = [R, B R^-T]/sqrt2 holds for any square R with R R^T = S; R = l_inv^T gives R^-T = L
+    precision = l_inv.T @ l_inv
+    b = (1.0 - lr) * precision + lr * hess
+    f = jnp.concatenate([l_inv.T, b @ scale_tril], axis=-1) / jnp.sqrt(2.0).astype(scale_tril.dtype)
     _, u = jnp.linalg.qr(jnp.flip(f, axis=0).T)
     u = u * jnp.sign(jnp.diagonal(u))[:, None]
     u_inv = solve_triangular(u, eye, lower=False)
