@@ -1,8 +1,8 @@
 r"""Plots for the workflow, saved as PNG files (matplotlib's Agg backend: no display needed).
 
 * :func:`plot_loss`: the loss per SVI step of one or several fits (``fit_history``);
-* :func:`plot_forest`: credible intervals of several fits side by side (BLR vs Adam vs NUTS...),
-  with ``arviz_plots.plot_forest``;
+* :func:`plot_forest`: means and central intervals of several fits side by side (BLR vs Adam vs
+  NUTS...), plain matplotlib;
 * :func:`plot_khat`: pointwise LOO Pareto :math:`\hat k` (``arviz_plots.plot_khat``) or the fit
   :math:`\hat k` of several fits (Yao et al. 2018) against the 0.5 and 0.7 thresholds;
 * :func:`plot_ppc`: posterior predictive check (``arviz_plots.plot_ppc_dist``);
@@ -72,13 +72,50 @@ def plot_loss(fits, path, log_scale=None, title="SVI loss (negative ELBO estimat
     return path
 
 
-def plot_forest(trees, path, var_names=None, **kwargs):
-    """Credible intervals of several fits: ``trees`` is ``{name: DataTree}`` (e.g. BLR, Adam, NUTS)."""
-    from arviz_plots import plot_forest as _plot_forest
+def plot_forest(trees, path, var_names=None, prob=0.94, title=None):
+    """Posterior means and central ``prob`` intervals of several fits, one row per scalar element.
+
+    ``trees`` is ``{name: DataTree}`` (e.g. BLR, Adam, NUTS), each with a ``posterior`` group with
+    ``chain``/``draw`` dims; the fits are drawn side by side (offset rows, one colour per fit).
+    Element labels come from the first tree's coordinates.
+    """
+    import itertools
 
     path = _prepare(path)
-    pc = _plot_forest(trees, var_names=var_names, combined=True, backend="matplotlib", **kwargs)
-    return _save_pc(pc, path)
+    names = list(trees)
+    first = trees[names[0]]["posterior"].ds
+    var_names = list(first.data_vars) if var_names is None else list(var_names)
+    lo_q, hi_q = (1 - prob) / 2, 1 - (1 - prob) / 2
+    labels, stats = [], {n: [] for n in names}
+    for v in var_names:
+        ref = first[v]
+        extra = [d for d in ref.dims if d not in ("chain", "draw")]
+        coords = [list(np.asarray(ref[d].values)) if d in ref.coords else list(range(ref.sizes[d])) for d in extra]
+        labels += [v + ("[" + ", ".join(str(c) for c in idx) + "]" if idx else "") for idx in itertools.product(*coords)]
+        for n in names:
+            if v not in trees[n]["posterior"].ds:
+                raise ValueError(f"plot_forest: the fit {n!r} has no posterior variable {v!r}.")
+            x = np.asarray(trees[n]["posterior"].ds[v].transpose("chain", "draw", *extra).values)
+            x = x.reshape(-1, int(np.prod(x.shape[2:], dtype=int)))
+            stats[n].append(np.stack([x.mean(0), np.quantile(x, lo_q, axis=0), np.quantile(x, hi_q, axis=0)], -1))
+    rows = len(labels)
+    fig, ax = plt.subplots(figsize=(7, 1.2 + 0.35 * rows * max(1, len(names)) ** 0.5))
+    height = 0.7 / len(names)
+    for k, n in enumerate(names):
+        st = np.concatenate(stats[n], 0)
+        y = np.arange(rows)[::-1] + 0.35 - (k + 0.5) * height
+        ax.hlines(y, st[:, 1], st[:, 2], color=f"C{k}", lw=2, label=n)
+        ax.plot(st[:, 0], y, "o", color=f"C{k}", ms=4)
+    ax.set_yticks(np.arange(rows)[::-1])
+    ax.set_yticklabels(labels)
+    ax.set_xlabel(f"posterior mean and central {int(round(100 * prob))}% interval")
+    ax.grid(axis="x", alpha=0.3)
+    ax.legend(loc="best", fontsize="small")
+    ax.set_title(title or "Forest plot")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 def plot_khat(khat, path, title=None):
