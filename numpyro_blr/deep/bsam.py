@@ -40,7 +40,7 @@ from numpyro_blr.deep.ivon import (
     _lr_at,
     _select,
     _stack_samples,
-    check_params,
+    init_diagonal_state,
     normal_like,
     predictive,
 )
@@ -95,16 +95,7 @@ def bsam(lr, ess=None, rho=0.01, beta1=0.9, beta2=0.999, weight_decay=1e-4, damp
     msharpness = int(msharpness)
 
     def init(params):
-        check_params(params)
-        params = jax.tree.map(jnp.asarray, params)
-        return BSAMState(
-            params=params,
-            prec=jax.tree.map(lambda p: jnp.full_like(p, s_init), params),
-            momentum=jax.tree.map(jnp.zeros_like, params),
-            count=jnp.zeros((), jnp.int32),
-            nonfinite=jnp.zeros((), bool),
-            skipped=jnp.zeros((), jnp.int32),
-        )
+        return init_diagonal_state(BSAMState, params, s_init)
 
     def sample(key, state):
         eps = normal_like(key, state.params)

@@ -147,6 +147,21 @@ def _lr_at(lr, count):
 # ----------------------------------------------------------------------------- helpers
 
 
+def init_diagonal_state(state_cls, params, curvature_init):
+    """A fresh diagonal-Gaussian optimizer state ``state_cls(params, curvature, momentum, count,
+    nonfinite, skipped)`` (the layout shared by IVON, VOGN and BSAM) after checking ``params``."""
+    check_params(params)
+    params = jax.tree.map(jnp.asarray, params)
+    return state_cls(
+        params,
+        jax.tree.map(lambda p: jnp.full_like(p, curvature_init), params),
+        jax.tree.map(jnp.zeros_like, params),
+        jnp.zeros((), jnp.int32),
+        jnp.zeros((), bool),
+        jnp.zeros((), jnp.int32),
+    )
+
+
 def normal_like(key, tree):
     """Standard-normal pytree shaped like ``tree`` from one draw (one RNG call keeps compiles small)."""
     leaves, treedef = jax.tree.flatten(tree)
@@ -271,16 +286,7 @@ def ivon(
     scale = hess_init + delta if rescale_lr else 1.0
 
     def init(params):
-        check_params(params)
-        params = jax.tree.map(jnp.asarray, params)
-        return IVONState(
-            params=params,
-            hess=jax.tree.map(lambda p: jnp.full_like(p, hess_init), params),
-            momentum=jax.tree.map(jnp.zeros_like, params),
-            count=jnp.zeros((), jnp.int32),
-            nonfinite=jnp.zeros((), bool),
-            skipped=jnp.zeros((), jnp.int32),
-        )
+        return init_diagonal_state(IVONState, params, hess_init)
 
     def sample(key, state):
         eps = normal_like(key, state.params)

@@ -37,7 +37,7 @@ from numpyro_blr.deep.ivon import (
     _check_positive,
     _lr_at,
     _select,
-    check_params,
+    init_diagonal_state,
     normal_like,
     predictive,
 )
@@ -101,16 +101,7 @@ def _make(lr, ess, weight_decay, beta1, beta2, hess_init, mc_samples, axis_name,
     mc_samples = int(mc_samples) if sampling else 1
 
     def init(params):
-        check_params(params)
-        params = jax.tree.map(jnp.asarray, params)
-        return VOGNState(
-            params=params,
-            curv=jax.tree.map(lambda p: jnp.full_like(p, hess_init), params),
-            momentum=jax.tree.map(jnp.zeros_like, params),
-            count=jnp.zeros((), jnp.int32),
-            nonfinite=jnp.zeros((), bool),
-            skipped=jnp.zeros((), jnp.int32),
-        )
+        return init_diagonal_state(VOGNState, params, hess_init)
 
     def sample(key, state):
         if not sampling:
