@@ -6,7 +6,9 @@ Poisson(rate * (1 + 2 z_i)).
 
     w    ~ Dirichlet(1, 1)        simplex   -> Dirichlet guide
     rate ~ Gamma(2, 0.2)          positive  -> Gamma guide
-    z_i  ~ Bernoulli(w[1])        boolean   -> Bernoulli guide (enumerated exactly inside nb.BLR)
+    z_i  ~ Bernoulli(w[1])        boolean   -> Bernoulli guide (enumerated exactly inside nb.BLR;
+                                             or, with max_enumerate=0, the score-function estimator
+                                             that nb.BLR uses for sites too large to enumerate)
 
 The reference is NUTS on the model with z summed out (NumPyro enumerates discrete sites for NUTS
 when funsor is installed); p(z_i = 1 | data) is then averaged over the NUTS draws exactly.
@@ -40,13 +42,19 @@ def model(y):
         numpyro.sample("y", dist.Poisson(rate * (1.0 + 2.0 * z)), obs=y)
 
 
+def fit(max_enumerate):
+    guide = ExpFamilyGuide(model, max_enumerate=max_enumerate)
+    svi = SVI(model, guide, nb.BLR(guide=guide), Trace_ELBO(num_particles=4))
+    return guide, svi.run(jax.random.PRNGKey(0), 1500, Y, progress_bar=False)
+
+
 def main():
-    # NumPyro warns that Trace_ELBO has no estimator for discrete guide sites; nb.BLR enumerates them
+    # NumPyro warns that Trace_ELBO has no estimator for discrete guide sites; nb.BLR handles them
     warnings.filterwarnings("ignore", message="Currently, SVI with Trace_ELBO")
-    guide = ExpFamilyGuide(model)
-    svi = SVI(model, guide, nb.BLR(), Trace_ELBO(num_particles=4))
-    result = svi.run(jax.random.PRNGKey(0), 1500, Y, progress_bar=False)
+    guide, result = fit(max_enumerate=64)  # z: 20 x 2 = 40 loss evaluations -> enumerated
+    _, result_sf = fit(max_enumerate=0)  # the same site by the score-function estimator (32 draws)
     mean = guide.mean(result.params)
+    mean_sf = guide.mean(result_sf.params)
     draws = guide.sample_posterior(jax.random.PRNGKey(1), result.params, sample_shape=(2000,))
 
     mcmc = MCMC(NUTS(model), num_warmup=500, num_samples=2000, progress_bar=False)
@@ -61,11 +69,14 @@ def main():
     print(f"{'':12s} {'BLR mean':>9s} {'BLR sd':>8s} {'NUTS mean':>10s} {'NUTS sd':>8s}")
     print(f"{'rate':12s} {float(mean['rate']):9.3f} {float(np.std(draws['rate'])):8.3f} "
           f"{float(s['rate'].mean()):10.3f} {float(s['rate'].std()):8.3f}")
+    print(f"{'rate (SF)':12s} {float(mean_sf['rate']):9.3f}")
     print(f"{'w[1]':12s} {float(mean['w'][1]):9.3f} {float(np.std(draws['w'][:, 1])):8.3f} "
           f"{float(s['w'][:, 1].mean()):10.3f} {float(s['w'][:, 1].std()):8.3f}")
+    print(f"{'w[1] (SF)':12s} {float(mean_sf['w'][1]):9.3f}")
     print("p(z_i = 1 | y):")
     print("  y   ", " ".join(f"{int(v):5d}" for v in Y))
     print("  BLR ", " ".join(f"{float(v):5.2f}" for v in mean["z"]))
+    print("  SF  ", " ".join(f"{float(v):5.2f}" for v in mean_sf["z"]), " (score function)")
     print("  NUTS", " ".join(f"{float(v):5.2f}" for v in pz))
 
 

@@ -29,8 +29,22 @@ How :math:`\nabla_\mu` is obtained:
   (Categorical, :math:`\mu = p_{0..K-2}`) and :math:`\ell_{j1} - \ell_{j0}` (Bernoulli,
   :math:`\mu = p`); unbiased, and exact in the site itself. The evaluations are batched with
   ``jax.vmap``; a site costs :math:`\sum_j K_j` loss evaluations and is enumerated only when that
-  is at most ``max_enumerate`` (``ExpFamilyGuide(max_enumerate=64)`` by default; a larger site raises
-  ``NotImplementedError`` naming it: the score-function estimator with a baseline is not implemented).
+  is at most ``max_enumerate`` (``ExpFamilyGuide(max_enumerate=64)`` by default).
+* **Larger discrete sites**: the score-function (REINFORCE) estimator with a leave-one-out baseline
+  (Kool, van Hoof & Welling 2019). :math:`S` = ``score_samples`` values :math:`z_s\sim q` of the whole
+  site are drawn (every other latent keeps its sample), :math:`\ell_s` is the loss at :math:`z_s` minus
+  :math:`\log q(z_s)`, and with :math:`T` the sufficient statistics and :math:`F = \mathrm{Cov}_q[T]`
+
+  .. math::
+      \widehat{\nabla_\lambda\mathbb E_q[\ell]} = \frac{1}{S-1}\sum_s (\ell_s - \bar\ell)\,(T(z_s) - \mu),
+      \qquad \widehat{\nabla_\mu\mathbb E_q[\ell]} = F^{-1}\widehat{\nabla_\lambda\mathbb E_q[\ell]},
+
+  unbiased because each :math:`z_s` is independent of the baseline :math:`\frac{1}{S-1}\sum_{s'\ne s}\ell_{s'}`
+  (the sum above is that estimator rewritten). :math:`F^{-1}` is explicit:
+  :math:`1/(p(1-p))` per Bernoulli element, :math:`\mathrm{diag}(1/p_{:K-1}) + 11^\top/p_K` per
+  Categorical element. Its variance grows with the number of elements of the site (every element's
+  estimate sees the whole site's loss), so it needs more steps than enumeration; the BLR's decaying
+  step size averages it out.
 """
 
 import contextlib
@@ -46,6 +60,7 @@ from numpyro_blr.families import Bernoulli, Beta, Categorical, Dirichlet, Gamma
 FAMILIES = {"gamma": Gamma, "beta": Beta, "dirichlet": Dirichlet, "bernoulli": Bernoulli, "categorical": Categorical}
 DISCRETE = ("bernoulli", "categorical")
 MAX_ENUMERATE = 64
+SCORE_SAMPLES = 32
 
 # the raw <-> user transform of each family's parameters (what SVI's constrain_fn applies)
 PARAM_CONSTRAINT = {
@@ -67,6 +82,8 @@ def forced_value(param_name):
 
 @contextlib.contextmanager
 def force(param_name, index, value):
+    """While active, the guide sets element ``index`` (flat) of the site whose logits are
+    ``param_name`` to ``value``; ``index=None`` sets the whole site to ``value``."""
     old = getattr(_LOCAL, "forced", {})
     _LOCAL.forced = {**old, param_name: (index, value)}
     try:
@@ -145,21 +162,13 @@ def enumeration_size(family, logits):
     return n * k
 
 
-def grad_mu_discrete(block, fn, params, max_enumerate=MAX_ENUMERATE):
+def grad_mu_enumerated(block, fn, params):
     r""":math:`\nabla_\mu\mathbb E_q[\ell]` of a discrete site by local enumeration (module docstring)."""
     name = block.loc
     logits = params[name]
     family = block.family
-    size = enumeration_size(family, logits)
-    if max_enumerate is not None and size > max_enumerate:
-        raise NotImplementedError(
-            f"nb.BLR: the discrete site {block.stem.rsplit('_', 1)[0]!r} (parameter {name!r}) needs {size} "
-            f"loss evaluations to enumerate (more than max_enumerate={max_enumerate}); the score-function "
-            "estimator for large discrete sites is not implemented. Raise ExpFamilyGuide(max_enumerate=...) "
-            "and pass nb.BLR(guide=guide), or split the site."
-        )
     k = num_categories(family, logits)
-    n = size // k
+    n = enumeration_size(family, logits) // k
     idx = jnp.repeat(jnp.arange(n), k)
     val = jnp.tile(jnp.arange(k), n)
 
@@ -177,22 +186,73 @@ def grad_mu_discrete(block, fn, params, max_enumerate=MAX_ENUMERATE):
     return (ell[:, :-1] - ell[:, -1:]).reshape(logits.shape[:-1] + (k - 1,))
 
 
-def update_discrete(block, fn, params, lr, improved, max_enumerate=None):
+def grad_mu_score(block, fn, params, key, num_samples=SCORE_SAMPLES):
+    r""":math:`\nabla_\mu\mathbb E_q[\ell]` of a discrete site by the score-function estimator with a
+    leave-one-out baseline (module docstring), from ``num_samples`` draws of the whole site.
+
+    Written as :math:`\frac{1}{S-1}\sum_s(\ell_s-\bar\ell)\,w(z_s)` with
+    :math:`w = F^{-1}(T(z) - \mu)`: per Bernoulli element :math:`z/p - (1-z)/(1-p)`, per Categorical
+    element :math:`1[z=k]/p_k - 1[z=K-1]/p_{K-1}` (the score-function form of the enumerated
+    :math:`\ell(1) - \ell(0)` and :math:`\ell(k) - \ell(K-1)`). Inverse probabilities are computed
+    from the logits (:math:`1/p = 1 + e^{-\lambda}`), so they stay finite in float32."""
+    if num_samples < 2:
+        raise ValueError(f"the score-function estimator needs at least 2 samples, got {num_samples}.")
+    name = block.loc
+    logits = params[name]
+    axes = tuple(range(1, logits.ndim + 1))
+    if block.family == "bernoulli":
+        z = jax.random.bernoulli(key, jax.nn.sigmoid(logits), (num_samples,) + logits.shape)
+        logq = jnp.sum(jnp.where(z, jax.nn.log_sigmoid(logits), jax.nn.log_sigmoid(-logits)), axis=axes)
+        w = jnp.where(z, 1.0 + jnp.exp(-logits), -(1.0 + jnp.exp(logits)))
+    else:
+        k = logits.shape[-1]
+        z = jax.random.categorical(key, logits, shape=(num_samples,) + logits.shape[:-1])
+        onehot = jax.nn.one_hot(z, k, dtype=bool)
+        logp = jax.nn.log_softmax(logits, -1)
+        logq = jnp.sum(jnp.where(onehot, logp, 0.0), axis=axes)
+        inv_p = jnp.where(onehot, jnp.exp(-logp), 0.0)  # 1[z=k] / p_k
+        w = inv_p[..., :-1] - inv_p[..., -1:]
+
+    def loss_at(value):
+        with force(name, None, value):
+            return fn(params)[0]
+
+    ell = jax.vmap(loss_at)(z) - logq
+    centred = (ell - jnp.mean(ell)).astype(logits.dtype)
+    return jnp.tensordot(centred, w.astype(logits.dtype), axes=1) / (num_samples - 1)
+
+
+def grad_mu_discrete(block, fn, params, key=None, max_enumerate=MAX_ENUMERATE, score_samples=SCORE_SAMPLES):
+    r""":math:`\nabla_\mu\mathbb E_q[\ell]` of a discrete site: enumerated when it needs at most
+    ``max_enumerate`` loss evaluations (``None``: always), otherwise the score-function estimator
+    with ``score_samples`` draws from ``key``."""
+    size = enumeration_size(block.family, params[block.loc])
+    if max_enumerate is None or size <= max_enumerate:
+        return grad_mu_enumerated(block, fn, params)
+    if key is None:
+        raise ValueError(
+            f"the discrete site with parameter {block.loc!r} needs {size} > max_enumerate={max_enumerate} loss "
+            "evaluations to enumerate; the score-function estimator used instead needs a random key."
+        )
+    return grad_mu_score(block, fn, params, key, score_samples)
+
+
+def update_discrete(block, fn, params, lr, improved, key=None, max_enumerate=None, score_samples=SCORE_SAMPLES):
     fam = FAMILIES[block.family]
     logits = params[block.loc]
     nat = fam.to_natural(logits)
-    g = grad_mu_discrete(block, fn, params, max_enumerate)
+    g = grad_mu_discrete(block, fn, params, key, max_enumerate, score_samples)
     new_nat = fam.blr_update(nat, fam.Expectation(g), lr, improved)
     return (fam.from_natural(new_nat),)
 
 
-def update_block(block, fn, params, grads, lr, improved, max_enumerate=None):
+def update_block(block, fn, params, grads, lr, improved, key=None, max_enumerate=None, score_samples=SCORE_SAMPLES):
     """New raw parameters ``{name: value}`` of one EXPFAM block after a BLR step.
 
-    ``max_enumerate`` (None: no limit here; ExpFamilyGuide enforces its own at setup) bounds the
-    loss evaluations spent on a discrete site."""
+    A discrete site is enumerated when that takes at most ``max_enumerate`` loss evaluations
+    (``None``: always), otherwise estimated by ``score_samples`` draws from ``key``."""
     if block.family in DISCRETE:
-        new = update_discrete(block, fn, params, lr, improved, max_enumerate)
+        new = update_discrete(block, fn, params, lr, improved, key, max_enumerate, score_samples)
     else:
         raw = tuple(params[n] for n in block.names)
         grad_raw = tuple(grads[n] for n in block.names)

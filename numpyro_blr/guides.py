@@ -100,10 +100,14 @@ class ExpFamilyGuide:
         around the prior mean (or a prior draw when the mean is not finite).
     :param prefix: the parameters are named ``{site}_{prefix}_{family}_{param}``.
     :param max_enumerate: the largest number of loss evaluations ``nb.BLR`` spends enumerating one
-        discrete site (sum over its elements of their number of values).
+        discrete site (sum over its elements of their number of values); a larger discrete site is
+        updated with the score-function estimator instead.
+    :param score_samples: draws of a discrete site per step for the score-function estimator
+        (leave-one-out baseline), i.e. its number of loss evaluations.
     """
 
-    def __init__(self, model, families=None, init_scale=0.1, prefix="blr", max_enumerate=expfam_blocks.MAX_ENUMERATE):
+    def __init__(self, model, families=None, init_scale=0.1, prefix="blr", max_enumerate=expfam_blocks.MAX_ENUMERATE,
+                 score_samples=expfam_blocks.SCORE_SAMPLES):
         if not (isinstance(init_scale, (int, float)) and init_scale > 0):
             raise ValueError(f"init_scale must be a positive float, got {init_scale!r}.")
         families = dict(families or {})
@@ -114,7 +118,12 @@ class ExpFamilyGuide:
         self.families = families
         self.init_scale = float(init_scale)
         self.prefix = prefix
-        self.max_enumerate = int(max_enumerate)
+        if isinstance(max_enumerate, bool) or not isinstance(max_enumerate, int) or max_enumerate < 0:
+            raise ValueError(f"max_enumerate must be an int >= 0, got {max_enumerate!r}.")
+        if isinstance(score_samples, bool) or not isinstance(score_samples, int) or score_samples < 2:
+            raise ValueError(f"score_samples must be an int >= 2 (the baseline leaves one sample out), got {score_samples!r}.")
+        self.max_enumerate = max_enumerate
+        self.score_samples = score_samples
         self.sites = None  # name -> dict(family, shape, event_dim, frames, init, support, dtype)
         self.plates = None
 
@@ -176,15 +185,6 @@ class ExpFamilyGuide:
                 dtype=jnp.result_type(value),
                 init=self._init_params(name, fam, fn, value, support),
             )
-            if fam in expfam_blocks.DISCRETE:
-                logits = self.sites[name]["init"]["logits"]
-                size = expfam_blocks.enumeration_size(fam, logits)
-                if size > self.max_enumerate:
-                    raise NotImplementedError(
-                        f"ExpFamilyGuide: discrete site {name!r} needs {size} loss evaluations to enumerate "
-                        f"(more than max_enumerate={self.max_enumerate}); the score-function estimator for "
-                        "large discrete sites is not implemented. Raise max_enumerate or split the site."
-                    )
 
     def _init_params(self, name, fam, fn, value, support):
         shape = jnp.shape(value)
@@ -267,7 +267,8 @@ class ExpFamilyGuide:
         return result
 
     def _sample_discrete(self, name, info, d, logits):
-        """Draw the site; when nb.BLR enumerates it, one element is set to a given value."""
+        """Draw the site; while nb.BLR estimates its gradient, one element (enumeration) or the whole
+        site (score-function draws) is set to a given value."""
         key = numpyro.prng_key()
         if key is None:
             return numpyro.sample(name, d)
@@ -275,7 +276,10 @@ class ExpFamilyGuide:
         forced = expfam_blocks.forced_value(self._param_name(name, info["family"], "logits"))
         if forced is not None:
             idx, v = forced
-            value = value.reshape(-1).at[idx].set(jnp.asarray(v, value.dtype)).reshape(value.shape)
+            if idx is None:  # the whole site (score-function draws)
+                value = jnp.broadcast_to(jnp.asarray(v, value.dtype), value.shape)
+            else:  # one element (enumeration)
+                value = value.reshape(-1).at[idx].set(jnp.asarray(v, value.dtype)).reshape(value.shape)
         with handlers.substitute(data={name: value}):
             return numpyro.sample(name, d)
 

@@ -139,6 +139,8 @@ class BLR(_NumPyroOptim):
     :param guide: optional; the guide, to read its prefix and scale constraints when they differ
         from NumPyro's defaults.
     :param prefix: the autoguide prefix (default ``"auto"``, or the guide's).
+    :param seed: seed of the draws the optimizer makes itself (the score-function estimator of
+        large discrete ``ExpFamilyGuide`` sites); step ``t`` uses ``fold_in(PRNGKey(seed), t)``.
 
     References: Khan & Rue (2023), *The Bayesian learning rule*, JMLR; Lin, Schmidt & Khan (2020),
     *Handling the positive-definite constraint in the Bayesian learning rule*, ICML.
@@ -156,6 +158,7 @@ class BLR(_NumPyroOptim):
         fallback=None,
         guide=None,
         prefix: Optional[str] = None,
+        seed: int = 0,
     ):
         self.lr = None if lr is None else _check_lr(lr)
         if hessian is not None and hessian not in HESSIANS:
@@ -178,7 +181,12 @@ class BLR(_NumPyroOptim):
         self.scale_constraint = getattr(guide, "scale_constraint", None)
         self.scale_tril_constraint = getattr(guide, "scale_tril_constraint", None)
         self.update_with_value = False
-        self.max_enumerate = getattr(guide, "max_enumerate", None)  # ExpFamilyGuide checks its own limit
+        # discrete ExpFamilyGuide sites: enumerate up to max_enumerate loss evaluations, else score function
+        self.max_enumerate = getattr(guide, "max_enumerate", expfam_blocks.MAX_ENUMERATE)
+        self.score_samples = getattr(guide, "score_samples", expfam_blocks.SCORE_SAMPLES)
+        if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
+            raise ValueError(f"seed must be an int, got {seed!r}.")
+        self.seed = int(seed)
 
     # -- structure -------------------------------------------------------------------------
     def layout(self, params):
@@ -273,9 +281,13 @@ class BLR(_NumPyroOptim):
         new_params, new_mom = dict(params), dict(s.momentum)
         checked = {}  # parameter name -> arrays that must be finite for its update to be valid
 
-        for b in layout.blocks:
+        for j, b in enumerate(layout.blocks):
             if b.kind == EXPFAM:  # ExpFamilyGuide's Gamma/Beta/Dirichlet/Bernoulli/Categorical sites
-                new = expfam_blocks.update_block(b, fn, params, grads, lr, self.improved, self.max_enumerate)
+                key = jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(self.seed), i), j)
+                new = expfam_blocks.update_block(
+                    b, fn, params, grads, lr, self.improved, key,
+                    self.max_enumerate, self.score_samples,
+                )
                 new_params.update(new)
                 for n in b.names:
                     checked[n] = (grads[n], new[n])
