@@ -34,9 +34,9 @@ import jax
 import numpy as np
 import jax.numpy as jnp
 from jax.flatten_util import ravel_pytree
-from jax.scipy.linalg import solve_triangular
 
 from numpyro_blr.layout import DIAGONAL, FULL, POINT
+from numpyro_blr.rules.blr import inverse_scale_tril
 
 HESSIANS = ("reparam", "price", "autodiff", "none")
 BASELINE_SHRINK = 0.01
@@ -48,6 +48,7 @@ class BlockStats(NamedTuple):
     g: jax.Array
     h: Optional[jax.Array]
     offset: Optional[jax.Array] = None  # z - m of the sample, when known (autodiff): a control variate
+    whitened: Optional[jax.Array] = None  # L^T H L of a full block, when the estimator gives it directly
 
 
 def _value_and_grad(fn, params, forward_mode):
@@ -99,13 +100,24 @@ def reparam_hessian_diagonal(scale, a):
     return a / scale
 
 
+def reparam_whitened_hessian(scale_tril, a):
+    r"""The whitened Price/Stein Hessian :math:`M = L^\top \hat H L` for the symmetric :math:`\hat H` with
+    :math:`\operatorname{tril}(\hat H L) = a`, with no solve at all.
+
+    From :math:`\hat H L = a + L^{-\top}\operatorname{triu}_1(Y - Y^\top)`, :math:`Y = a^\top L`
+    (module docstring, :math:`L^\top a = Y^\top`):
+    :math:`M = Y^\top + \operatorname{triu}_1(Y - Y^\top) = \operatorname{tril}(Y^\top) + \operatorname{triu}_1(Y)`,
+    symmetric by construction. Its expectation is :math:`L^\top\mathbb E_q[\nabla^2\ell]L`."""
+    y = jnp.tril(a).T @ scale_tril
+    return jnp.tril(y.T) + jnp.triu(y, k=1)
+
+
 def reparam_hessian_full(scale_tril, a):
-    r"""Symmetric :math:`\hat H` with :math:`\operatorname{tril}(\hat H L) = a`, :math:`a = \operatorname{tril}(\nabla\ell(z)\,\epsilon^\top)`."""
-    a = jnp.tril(a)
-    x = jnp.triu(a.T @ scale_tril - scale_tril.T @ a, k=1)
-    m = a + solve_triangular(scale_tril.T, x, lower=False)
-    h_t = solve_triangular(scale_tril, m.T, lower=True, trans="T")  # (M L^{-1})^T
-    return 0.5 * (h_t + h_t.T)
+    r"""Symmetric :math:`\hat H` with :math:`\operatorname{tril}(\hat H L) = a`, :math:`a = \operatorname{tril}(\nabla\ell(z)\,\epsilon^\top)`:
+    :math:`\hat H = L^{-\top} M L^{-1}` with :math:`M` from :func:`reparam_whitened_hessian`."""
+    l_inv = inverse_scale_tril(scale_tril)
+    h = l_inv.T @ reparam_whitened_hessian(scale_tril, a) @ l_inv
+    return 0.5 * (h + h.T)
 
 
 def _grad_and_loc_hessian(fn, params, names, forward_mode, scaled_blocks=()):
@@ -189,7 +201,7 @@ def estimate(fn, params, layout, hessian="reparam", delta=False, forward_mode=Fa
     stats = {}
     for b in gauss:
         g = grads[b.loc]
-        h = None
+        h = whitened = None
         if hessian == "autodiff":
             lo, hi = offsets[b.loc]
             sub = hess[lo:hi, lo:hi]
@@ -203,8 +215,12 @@ def estimate(fn, params, layout, hessian="reparam", delta=False, forward_mode=Fa
                 # the same epsilon at scale c*s: subtracting its Price term removes the
                 # zero-mean noise grad(l)(m) eps^T that dominates far from the optimum
                 a = (a - _scale_grad(b, shrunk_scale[b.loc], base_grads[b.scale])) / (1.0 - BASELINE_SHRINK)
-            h = reparam_hessian_diagonal(scale, a) if b.kind == DIAGONAL else reparam_hessian_full(scale, a)
-        stats[b.loc] = BlockStats(g, h, offset_of.get(b.loc))
+            if b.kind == DIAGONAL:
+                h = reparam_hessian_diagonal(scale, a)
+            else:
+                whitened = reparam_whitened_hessian(scale, a)
+                h = reparam_hessian_full(scale, a)  # XLA drops it when only `whitened` is used
+        stats[b.loc] = BlockStats(g, h, offset_of.get(b.loc), whitened)
 
     points = None
     if point_names:

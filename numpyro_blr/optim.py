@@ -317,12 +317,12 @@ class BLR(_NumPyroOptim):
                 if st.h is None:
                     new_params[b.loc] = m - lr * mbar
                 else:
-                    new_tril = full_scale_tril_update(tril, st.h, lr, self.improved)
+                    new_tril = full_scale_tril_update(tril, st.h, lr, self.improved, st.whitened)
                     new_params[b.loc] = m - lr * (new_tril @ (new_tril.T @ mbar))
                     new_params[b.scale] = b.transform.inv(new_tril)
             checked[b.loc] = (st.g, new_params[b.loc])
-            if st.h is not None:
-                checked[b.scale] = (st.h, new_params[b.scale])
+            if st.h is not None:  # L^T H L when the estimator gave it (H itself is then not formed)
+                checked[b.scale] = (st.h if st.whitened is None else st.whitened, new_params[b.scale])
 
         new_point_prec = s.point_precision
         if points is not None:

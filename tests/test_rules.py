@@ -18,7 +18,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from numpyro_blr.estimators import reparam_hessian_diagonal, reparam_hessian_full
-from numpyro_blr.rules.blr import diagonal_precision_update, full_precision_update
+from numpyro_blr.families.gaussian import precision_to_scale_tril
+from numpyro_blr.rules.blr import (
+    _scale_tril_from_factor_qr,
+    diagonal_precision_update,
+    full_precision_update,
+    full_scale_tril_update,
+)
 
 EPS64 = np.finfo(np.float64).eps
 SETTINGS = settings(max_examples=50, deadline=None)
@@ -223,6 +229,66 @@ def test_full_improved_update_tight_at_cancellation():
         for lr in [0.5, 1.0, 1e3]:
             H = (1.0 - 1.0 / lr) * S
             np.testing.assert_allclose(_full_update(S, C, H, lr, improved=True), S / 2, rtol=1e-10, atol=1e-12)
+
+
+# -- the same step on the covariance's Cholesky factor (what nb.BLR runs) -------------------------
+
+_tril_update = jax.jit(full_scale_tril_update, static_argnames="improved")
+
+
+@SETTINGS
+@given(full_case(hess_log10_max=4))
+def test_scale_tril_update_matches_the_precision_update(case):
+    """full_scale_tril_update works in whitened coordinates (M = L^T H L) and never forms S: its
+    new L must be a valid Cholesky factor (lower, positive diagonal) whose precision (L L^T)^-1 is
+    full_precision_update's S + rho G + rho^2/2 G S^-1 G. Both are computed in float64; the
+    tolerance is the precision update's rounding scale times cond(S) (the whitening by L and the
+    inversions each lose at most that much)."""
+    S, C, H, lr = case
+    with jax.enable_x64(True):
+        L = np.linalg.cholesky(C)
+        new_l = np.asarray(_tril_update(jnp.asarray(L), jnp.asarray(H), lr, improved=True))
+        ref = np.asarray(_full_update(jnp.asarray(S), jnp.asarray(C), jnp.asarray(H), lr, improved=True))
+    assert np.all(np.isfinite(new_l))
+    np.testing.assert_array_equal(new_l, np.tril(new_l))
+    assert np.all(np.diag(new_l) > 0)
+    got = np.linalg.inv(new_l @ new_l.T)
+    d = S.shape[0]
+    tol = 64 * d * EPS64 * rounding_scale(S, C, H, lr) * np.linalg.cond(S) * np.linalg.cond(ref)
+    np.testing.assert_allclose(got, ref, rtol=0, atol=tol)
+
+
+def test_scale_tril_plain_unit_step_is_newton():
+    with jax.enable_x64(True):
+        rng = np.random.default_rng(0)
+        L = np.linalg.cholesky(np.linalg.inv(sym_from_eig(1, [0.5, 2.0, 30.0])))
+        H = sym_from_eig(2, [0.1, 1.0, 100.0])
+        new_l = np.asarray(_tril_update(jnp.asarray(L), jnp.asarray(H), 1.0, improved=False))
+        np.testing.assert_allclose(new_l @ new_l.T, np.linalg.inv(H), rtol=1e-10, atol=1e-13)
+        del rng
+
+
+def test_scale_tril_update_qr_fallback_in_float32():
+    """With Hessian estimates of +-1e8, K = (I + B^2)/2 has condition number ~1e16 and its Cholesky
+    fails in float32 (it works up to ~1e7); the QR route must give a finite, valid factor whose
+    precision agrees with the float64 step to float32 accuracy relative to its norm. And the QR
+    route is the same map as the Cholesky route where both work (float64)."""
+    L = np.linalg.cholesky(np.linalg.inv(sym_from_eig(3, [0.5, 2.0, 30.0])))
+    H = sym_from_eig(4, [-1e8, 1.0, 1e8])
+    b = 0.5 * np.eye(3) + 0.5 * (L.T @ H @ L)
+    assert not np.all(np.isfinite(precision_to_scale_tril(jnp.asarray(0.5 * (np.eye(3) + b @ b), jnp.float32))))
+    new_l = np.asarray(_tril_update(jnp.asarray(L, jnp.float32), jnp.asarray(H, jnp.float32), 0.5, improved=True))
+    assert new_l.dtype == np.float32 and np.all(np.isfinite(new_l)) and np.all(np.diag(new_l) > 0)
+    with jax.enable_x64(True):
+        ref_l = np.asarray(_tril_update(jnp.asarray(L), jnp.asarray(H), 0.5, improved=True))
+        b_mod = 0.5 * np.eye(3) + 0.5 * (L.T @ sym_from_eig(4, [-1e3, 1.0, 1e3]) @ L)  # cond(K) ~ 1e6
+        f = jnp.concatenate([jnp.eye(3), jnp.asarray(b_mod)], axis=-1) * np.sqrt(0.5)
+        np.testing.assert_allclose(
+            _scale_tril_from_factor_qr(f), precision_to_scale_tril(0.5 * (np.eye(3) + b_mod @ b_mod)), rtol=1e-8
+        )
+    ref = np.linalg.inv(ref_l @ ref_l.T)
+    got = np.linalg.inv(new_l.astype(np.float64) @ new_l.T.astype(np.float64))
+    assert np.max(np.abs(got - ref)) < 1e-3 * np.linalg.norm(ref, 2)
 
 
 # -- Price/Stein Hessian estimators --------------------------------------------------------------

@@ -5,6 +5,7 @@ from numpyro_blr.rules.blr import (
     full_precision_update,
     full_scale_tril_update,
     improved_precision_factor,
+    inverse_scale_tril,
     momentum_update,
 )
 
@@ -13,5 +14,6 @@ __all__ = [
     "full_precision_update",
     "full_scale_tril_update",
     "improved_precision_factor",
+    "inverse_scale_tril",
     "momentum_update",
 ]

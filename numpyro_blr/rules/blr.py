@@ -21,6 +21,7 @@ The diagonal version is the same elementwise (it is IVON's Hessian update, Shen 
 """
 
 import jax.numpy as jnp
+from jax import lax
 from jax.scipy.linalg import solve_triangular
 
 from numpyro_blr.families.gaussian import precision_to_scale_tril, scale_tril_to_precision
@@ -65,31 +66,53 @@ def full_precision_update(precision, covariance, hess, lr, improved=True):
     return 0.5 * (new + new.T)
 
 
-def full_scale_tril_update(scale_tril, hess, lr, improved=True):
+def inverse_scale_tril(scale_tril):
+    r""":math:`L^{-1}` (lower triangular): with it the precision is :math:`S = L^{-\top}L^{-1}` and
+    every solve with :math:`L` or :math:`L^\top` in a BLR step becomes a matrix product."""
+    eye = jnp.eye(scale_tril.shape[-1], dtype=scale_tril.dtype)
+    return solve_triangular(scale_tril, eye, lower=True)
+
+
+def _scale_tril_from_factor_qr(f):
+    """:math:`L` with :math:`(L L^\top)^{-1} = F F^\top`, by a QR decomposition of :math:`(J F)^\top`."""
+    u = jnp.linalg.qr(jnp.flip(f, axis=0).T, mode="r")
+    u = u * jnp.sign(jnp.diagonal(u))[:, None]
+    eye = jnp.eye(f.shape[0], dtype=f.dtype)
+    return jnp.flip(solve_triangular(u, eye, lower=False), axis=(0, 1))
+
+
+def full_scale_tril_update(scale_tril, hess, lr, improved=True, whitened_hess=None):
     r"""The BLR precision step carried out on the covariance's Cholesky factor :math:`L` (:math:`S = L^{-\top}L^{-1}`).
 
-    Returns the new :math:`L`. Improved: with :math:`R = L^{-\top}` (so :math:`R R^\top = S` and
-    :math:`R^{-\top} = L`), :math:`F = [R,\ B L]/\sqrt2` is a factor of the new precision (as in
-    :func:`improved_precision_factor`); it is triangularised by a QR decomposition, and the new
-    :math:`L` is read off without forming or inverting :math:`S_{\rm new}`:
-    with :math:`J` the reversal, :math:`(J F)^\top = Q U` gives :math:`S_{\rm new} = J U^\top U J` and
-    :math:`L_{\rm new} = J U^{-1} J`. Plain: :math:`S_{\rm new} = (1-\rho)S + \rho\hat H` and its
-    Cholesky (non-finite if that is not positive definite).
+    Returns the new :math:`L`. In whitened coordinates, :math:`M = L^\top\hat H L` and
+    :math:`S = L^{-\top} I L^{-1}`, so every precision of the step is :math:`L^{-\top} K L^{-1}`:
+    plain :math:`K = \tilde B = (1-\rho) I + \rho M` (:math:`S + \rho G`), improved
+    (:math:`S + \rho G + \frac{\rho^2}{2} G S^{-1} G`, Lin, Schmidt & Khan 2020)
+    :math:`K = \tfrac12 (I + \tilde B^2)`, whose eigenvalues are :math:`\ge \tfrac12`: positive
+    definite for any :math:`\hat H` and :math:`\rho`. Then :math:`\Sigma_{\rm new} = L K^{-1} L^\top`
+    and :math:`L_{\rm new} = L T` with :math:`T` the lower Cholesky factor of :math:`K^{-1}`
+    (:func:`~numpyro_blr.families.gaussian.precision_to_scale_tril`: one Cholesky, one triangular
+    inverse; no inverse of :math:`L`). Should that Cholesky fail in floating point (:math:`\|\tilde B\|`
+    beyond about :math:`\varepsilon^{-1/2}`), :math:`K = \frac12 F F^\top`, :math:`F = [I, \tilde B]`, is
+    triangularised by a QR decomposition of :math:`F` instead, which does not square the condition
+    number. The plain step is non-finite when :math:`\tilde B` is not positive definite.
+    ``whitened_hess`` (:math:`M`, when the estimator gives it) replaces ``hess``.
     """
+    m = scale_tril.T @ hess @ scale_tril if whitened_hess is None else whitened_hess
+    m = 0.5 * (m + m.T)
+    eye = jnp.eye(scale_tril.shape[-1], dtype=scale_tril.dtype)
+    b = (1.0 - lr) * eye + lr * m
     if not improved:
-        new = (1.0 - lr) * scale_tril_to_precision(scale_tril) + lr * hess
-        return precision_to_scale_tril(0.5 * (new + new.T))
-    d = scale_tril.shape[-1]
-    eye = jnp.eye(d, dtype=scale_tril.dtype)
-    l_inv = solve_triangular(scale_tril, eye, lower=True)  # S = l_inv^T l_inv
-    # F = [R, B R^-T]/sqrt2 holds for any square R with R R^T = S; R = l_inv^T gives R^-T = L
-    precision = l_inv.T @ l_inv
-    b = (1.0 - lr) * precision + lr * hess
-    f = jnp.concatenate([l_inv.T, b @ scale_tril], axis=-1) / jnp.sqrt(2.0).astype(scale_tril.dtype)
-    _, u = jnp.linalg.qr(jnp.flip(f, axis=0).T)
-    u = u * jnp.sign(jnp.diagonal(u))[:, None]
-    u_inv = solve_triangular(u, eye, lower=False)
-    return jnp.flip(u_inv, axis=(0, 1))
+        return scale_tril @ precision_to_scale_tril(b)
+    t = precision_to_scale_tril(0.5 * (eye + b @ b))
+    half = jnp.sqrt(0.5).astype(scale_tril.dtype)
+    t = lax.cond(
+        jnp.all(jnp.isfinite(t)),
+        lambda _: t,
+        lambda _: _scale_tril_from_factor_qr(jnp.concatenate([eye, b], axis=-1) * half),
+        None,
+    )
+    return scale_tril @ t
 
 
 def momentum_update(momentum, grad, beta, step):
