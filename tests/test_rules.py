@@ -17,7 +17,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from numpyro_blr.estimators import reparam_hessian_diagonal, reparam_hessian_full
+from numpyro_blr.estimators import reparam_hessian_diagonal, reparam_hessian_full, reparam_whitened_hessian
 from numpyro_blr.families.gaussian import precision_to_scale_tril
 from numpyro_blr.rules.blr import (
     _scale_tril_from_factor_qr,
@@ -311,6 +311,11 @@ def test_reparam_hessian_full_solves_tril_identity(d, seed):
     # backward error of two triangular solves: eps * cond(L) relative to |a|
     tol = 1e3 * EPS64 * np.linalg.cond(L) ** 2 * np.abs(a).max()
     np.testing.assert_allclose(np.tril(H @ L), np.tril(a), rtol=0, atol=tol)
+    # the whitened form used by the update, M = L^T H L, computed without any solve
+    with jax.enable_x64(True):
+        M = np.asarray(reparam_whitened_hessian(jnp.asarray(L), jnp.asarray(a)))
+    np.testing.assert_array_equal(M, M.T)
+    np.testing.assert_allclose(M, L.T @ H @ L, rtol=0, atol=tol * np.linalg.norm(L, 2) ** 2)
 
 
 def test_reparam_hessian_full_recovers_a_known_hessian():

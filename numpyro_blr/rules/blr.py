@@ -98,21 +98,32 @@ def full_scale_tril_update(scale_tril, hess, lr, improved=True, whitened_hess=No
     number. The plain step is non-finite when :math:`\tilde B` is not positive definite.
     ``whitened_hess`` (:math:`M`, when the estimator gives it) replaces ``hess``.
     """
-    m = scale_tril.T @ hess @ scale_tril if whitened_hess is None else whitened_hess
-    m = 0.5 * (m + m.T)
+    if whitened_hess is None:
+        m = scale_tril.T @ hess @ scale_tril
+        m = 0.5 * (m + m.T)
+    else:
+        m = whitened_hess
     eye = jnp.eye(scale_tril.shape[-1], dtype=scale_tril.dtype)
     b = (1.0 - lr) * eye + lr * m
     if not improved:
-        return scale_tril @ precision_to_scale_tril(b)
-    t = precision_to_scale_tril(0.5 * (eye + b @ b))
+        return _times_inverse_cholesky_factor(scale_tril, b)
+    new_tril = _times_inverse_cholesky_factor(scale_tril, 0.5 * (eye + b @ b))
     half = jnp.sqrt(0.5).astype(scale_tril.dtype)
-    t = lax.cond(
-        jnp.all(jnp.isfinite(t)),
-        lambda _: t,
-        lambda _: _scale_tril_from_factor_qr(jnp.concatenate([eye, b], axis=-1) * half),
+    return lax.cond(
+        jnp.all(jnp.isfinite(new_tril)),
+        lambda _: new_tril,
+        lambda _: scale_tril @ _scale_tril_from_factor_qr(jnp.concatenate([eye, b], axis=-1) * half),
         None,
     )
-    return scale_tril @ t
+
+
+def _times_inverse_cholesky_factor(scale_tril, k):
+    r""":math:`L T` with :math:`T` the lower Cholesky factor of :math:`K^{-1}`, by one Cholesky and one
+    triangular solve: with the reversal :math:`J`, :math:`J K J = V V^\top` and :math:`W = J V J` (upper),
+    :math:`K = W W^\top` so :math:`T = W^{-\top}` and :math:`L T` solves :math:`X W^\top = L`
+    (as :func:`~numpyro_blr.families.gaussian.precision_to_scale_tril`, without forming :math:`T`)."""
+    w = jnp.flip(jnp.linalg.cholesky(jnp.flip(k, axis=(-2, -1))), axis=(-2, -1))
+    return lax.linalg.triangular_solve(w, scale_tril, left_side=False, lower=False, transpose_a=True)
 
 
 def momentum_update(momentum, grad, beta, step):
