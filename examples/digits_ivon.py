@@ -1,10 +1,11 @@
 """IVON vs AdamW vs SGD on scikit-learn's digits with a small pure-JAX MLP.
 
-    python examples/digits_ivon.py [--epochs 60]
+    python examples/digits_ivon.py [--epochs 60] [--seeds 0 1 2 3 4] [--tune]
 
 Prints test accuracy, NLL and expected calibration error (15 bins) at the mean and, for IVON,
-with 32-sample predictive averaging, plus the time per training step. Runs in about a minute
-on two CPU cores.
+with 32-sample predictive averaging, plus the time per training step, for seeds 0-4 and their
+mean +- standard error (ECE on 450 test points is noisy: one seed is not a comparison). Runs in
+about 30 s on one CPU core; ``--tune`` reruns the validation grids (about 4 min).
 """
 
 import argparse
@@ -84,17 +85,23 @@ def cosine(lr, epochs, n_train):
     return optax.cosine_decay_schedule(lr, epochs * (n_train // BATCH))
 
 
-# Hyper-parameters chosen by validation NLL (load_data(validation=True), 60 epochs, small grids:
-# IVON lr {0.2,0.5,1,2} x hess_init {0.1,0.3,1} x beta2 {0.999,0.9999}; AdamW lr {3e-4..1e-2};
-# SGD lr {0.03,0.1,0.3}); the test set is used once, for the printed numbers.
+# Hyper-parameters chosen by validation NLL (load_data(validation=True), 60 epochs, mean over
+# seeds 0-2; `python examples/digits_ivon.py --tune` reruns the grids). The 3-seed grid ranked IVON
+# lr=2.0 first (NLL 0.0532), but it sits next to diverging settings (lr=2, hess_init=0.1) and with
+# seeds 0-4 on the same validation split it is unstable (NLL 0.11 +- 0.05); among the next ones,
+# 5 validation seeds give lr=1.0: 0.0529, lr=0.5: 0.0530 (hess_init 0.3, beta2 0.9999), so lr=1.0.
+# The test set is used only for the printed numbers.
 IVON_LR, IVON_H0, IVON_BETA2 = 1.0, 0.3, 0.9999
-ADAMW_LR, SGD_LR = 1e-2, 0.3
+ADAMW_LR, SGD_LR = 1e-2, 0.1
+IVON_GRID = dict(lr=(0.2, 0.5, 1.0, 2.0), hess_init=(0.1, 0.3, 1.0), beta2=(0.999, 0.9999))
+ADAMW_GRID, SGD_GRID = (3e-4, 1e-3, 3e-3, 1e-2), (0.03, 0.1, 0.3)
 
 
-def make_ivon(n_train, epochs=60):
+def make_ivon(n_train, epochs=60, lr=None, hess_init=None, beta2=None, **kwargs):
     # ess = training-set size; hess_init sets the initial posterior s.d. 1/sqrt(ess*(h0+delta)).
-    return ivon(lr=cosine(IVON_LR, epochs, n_train), ess=n_train, hess_init=IVON_H0, beta1=0.9,
-                beta2=IVON_BETA2, weight_decay=1e-4, mc_samples=1)
+    return ivon(lr=cosine(IVON_LR if lr is None else lr, epochs, n_train), ess=n_train,
+                hess_init=IVON_H0 if hess_init is None else hess_init, beta1=0.9,
+                beta2=IVON_BETA2 if beta2 is None else beta2, weight_decay=1e-4, mc_samples=1, **kwargs)
 
 
 def train_ivon(data, epochs, seed=0, opt=None):
@@ -140,22 +147,51 @@ def train_optax(tx, data, epochs, seed=0):
     return params, (time.perf_counter() - t0) / (len(idx) - 1)
 
 
-def compare(epochs=60, seed=0, num_samples=32):
-    data = load_data()
+def adamw(lr, epochs, n):
+    return optax.adamw(cosine(lr, epochs, n), weight_decay=1e-4)
+
+
+def sgd(lr, epochs, n):
+    return optax.chain(optax.add_decayed_weights(1e-4), optax.sgd(cosine(lr, epochs, n), momentum=0.9))
+
+
+def run_seed(data, epochs=60, seed=0, num_samples=32, ivon_kwargs=None, adamw_lr=None, sgd_lr=None):
+    """One seed of every method on ``data``: a list of (name, metrics, seconds per step)."""
     x_te, y_te = data[1], data[3]
-    rows = []
     n = len(data[2])
-    opt, state, t_ivon = train_ivon(data, epochs, seed)
+    rows = []
+    opt, state, t_ivon = train_ivon(data, epochs, seed, make_ivon(n, epochs, **(ivon_kwargs or {})))
     rows.append(("IVON @ mean", metrics(probs_fn(state.params, x_te), y_te), t_ivon))
     pred = opt.predictive(jax.random.key(seed + 3), state, probs_fn, x_te, num_samples)
     rows.append((f"IVON {num_samples}-sample", metrics(pred, y_te), t_ivon))
-    for name, tx in [
-        ("AdamW", optax.adamw(cosine(ADAMW_LR, epochs, n), weight_decay=1e-4)),
-        ("SGD+momentum", optax.chain(optax.add_decayed_weights(1e-4), optax.sgd(cosine(SGD_LR, epochs, n), momentum=0.9))),
-    ]:
+    for name, tx in [("AdamW", adamw(adamw_lr or ADAMW_LR, epochs, n)), ("SGD+momentum", sgd(sgd_lr or SGD_LR, epochs, n))]:
         params, t = train_optax(tx, data, epochs, seed)
         rows.append((name, metrics(probs_fn(params, x_te), y_te), t))
     return rows, state
+
+
+def compare(epochs=60, seeds=(0, 1, 2, 3, 4), num_samples=32):
+    """All methods on the test split for each seed (seed = init, batch order and IVON noise)."""
+    data = load_data()
+    per_seed, states = [], []
+    for seed in seeds:
+        rows, state = run_seed(data, epochs, seed, num_samples)
+        per_seed.append(rows)
+        states.append(state)
+    return per_seed, states
+
+
+def summarize(per_seed):
+    """(name, {metric: (mean, standard error over seeds)}, mean seconds per step) per method."""
+    out = []
+    for i, (name, _, _) in enumerate(per_seed[0]):
+        ms = [rows[i][1] for rows in per_seed]
+        stat = {}
+        for k in ms[0]:
+            v = np.array([m[k] for m in ms])
+            stat[k] = (v.mean(), v.std(ddof=1) / np.sqrt(len(v)) if len(v) > 1 else float("nan"))
+        out.append((name, stat, float(np.mean([rows[i][2] for rows in per_seed]))))
+    return out
 
 
 def print_rows(rows):
@@ -164,13 +200,64 @@ def print_rows(rows):
         print(f"{name:<18} {m['acc']:7.4f} {m['nll']:8.4f} {m['ece']:8.4f} {1e3 * t:8.3f}")
 
 
+def print_summary(per_seed, seeds):
+    for seed, rows in zip(seeds, per_seed):
+        print(f"seed {seed}")
+        print_rows(rows)
+    print(f"mean ± s.e. over seeds {list(seeds)}")
+    print(f"{'method':<18} {'acc':>16} {'NLL':>16} {'ECE':>16}")
+    for name, st, _ in summarize(per_seed):
+        print(f"{name:<18} " + " ".join(f"{st[k][0]:8.4f}±{st[k][1]:.4f}" for k in ("acc", "nll", "ece")))
+
+
+def tune(epochs=60, seeds=(0, 1, 2), num_samples=32):
+    """The validation grids (validation split of the training data; the test set is not touched).
+    Scores are means over ``seeds``; the selection criterion is NLL (IVON: the predictive one)."""
+    data = load_data(validation=True)
+    x_va, y_va = data[1], data[3]
+    n = len(data[2])
+
+    def mean_metrics(fn):
+        ms = [fn(seed) for seed in seeds]
+        return {k: float(np.mean([m[k] for m in ms])) for k in ms[0]}
+
+    def show(tag, m):
+        print(f"{tag:<46} acc {m['acc']:.4f}  NLL {m['nll']:.4f}  ECE {m['ece']:.4f}", flush=True)
+
+    res = {}
+    for lr in IVON_GRID["lr"]:
+        for h0 in IVON_GRID["hess_init"]:
+            for b2 in IVON_GRID["beta2"]:
+                def one(seed):
+                    opt, state, _ = train_ivon(data, epochs, seed, make_ivon(n, epochs, lr=lr, hess_init=h0, beta2=b2))
+                    return metrics(opt.predictive(jax.random.key(seed + 3), state, probs_fn, x_va, num_samples), y_va)
+                res[("ivon", lr, h0, b2)] = m = mean_metrics(one)
+                show(f"IVON lr={lr} hess_init={h0} beta2={b2}", m)
+    for lr in ADAMW_GRID:
+        res[("adamw", lr)] = m = mean_metrics(lambda s: metrics(probs_fn(train_optax(adamw(lr, epochs, n), data, epochs, s)[0], x_va), y_va))
+        show(f"AdamW lr={lr}", m)
+    for lr in SGD_GRID:
+        res[("sgd", lr)] = m = mean_metrics(lambda s: metrics(probs_fn(train_optax(sgd(lr, epochs, n), data, epochs, s)[0], x_va), y_va))
+        show(f"SGD lr={lr}", m)
+    for method in ("ivon", "adamw", "sgd"):
+        best = min((k for k in res if k[0] == method), key=lambda k: res[k]["nll"])
+        show(f"best {method} by validation NLL: {best[1:]}", res[best])
+    return res
+
+
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("--epochs", type=int, default=60)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
+    ap.add_argument("--tune", action="store_true", help="run the validation grids instead")
     args = ap.parse_args()
     t0 = time.perf_counter()
-    rows, state = compare(args.epochs, args.seed)
-    print(f"digits: {len(load_data()[2])} train / {len(load_data()[3])} test, MLP {SIZES}, batch {BATCH}, {args.epochs} epochs")
-    print_rows(rows)
-    print(f"IVON skipped steps: {int(state.skipped)}; total time {time.perf_counter() - t0:.1f}s")
+    if args.tune:
+        tune(args.epochs)
+    else:
+        per_seed, states = compare(args.epochs, args.seeds)
+        x_tr, x_te = load_data()[:2]
+        print(f"digits: {len(x_tr)} train / {len(x_te)} test, MLP {SIZES}, batch {BATCH}, {args.epochs} epochs")
+        print_summary(per_seed, args.seeds)
+        print(f"IVON skipped steps: {[int(s.skipped) for s in states]}")
+    print(f"total time {time.perf_counter() - t0:.1f}s")

@@ -256,3 +256,71 @@ def test_predictive_averages_probabilities():
     manual = jax.jit(lambda s: sum(apply(opt.sample(keys[i], s)[0], x) for i in range(4)) / 4)(state)
     np.testing.assert_allclose(out, manual, rtol=1e-5)
     np.testing.assert_allclose(np.sum(out, -1), 1.0, rtol=1e-5)
+
+
+# ----------------------------------------------------------------------------- the weight-noise generator
+
+
+def test_hash_normal_is_standard_normal_and_independent():
+    from scipy import stats
+
+    from numpyro_blr.deep.ivon import hash_normal
+
+    n = 400_000
+    key = jax.random.key(7)
+    z = np.asarray(jax.jit(lambda k: hash_normal(k, n))(key), np.float64)
+    assert z.shape == (n,) and np.all(np.isfinite(z)) and np.max(np.abs(z)) < 5.8
+    # moments, in units of their standard errors under N(0, 1): 5 s.e. bounds
+    assert abs(z.mean()) * np.sqrt(n) < 5
+    assert abs(z.var() - 1) / np.sqrt(2 / n) < 5
+    assert abs(stats.skew(z)) / np.sqrt(6 / n) < 5
+    assert abs(stats.kurtosis(z)) / np.sqrt(24 / n) < 5
+    assert stats.kstest(z, "norm").pvalue > 1e-4
+    # independence: neighbours, the two outputs of one Box-Muller pair (elements j and j + n/2; also
+    # their squares, which share the radius) and draws from consecutive fold_in keys (one per step)
+    half = n // 2
+    z2 = np.asarray(hash_normal(jax.random.fold_in(key, 1), n), np.float64)
+    for a, b in [(z[:-1], z[1:]), (z[:half], z[half:]), (z[:half] ** 2, z[half:] ** 2), (z, z2), (z**2, z2**2)]:
+        assert abs(np.corrcoef(a, b)[0, 1]) * np.sqrt(len(a)) < 5
+
+    # 2-d uniformity of the pair partners: chi-square over a 10 x 10 grid of normal quantiles
+    cells = [np.digitize(stats.norm.cdf(v), np.linspace(0, 1, 11)[1:-1]) for v in (z[:half], z[half:])]
+    counts = np.bincount(cells[0] * 10 + cells[1], minlength=100)
+    assert stats.chisquare(counts).pvalue > 1e-4
+
+
+def test_hash_normal_small_draws_across_keys_and_dtypes():
+    from scipy import stats
+
+    from numpyro_blr.deep.ivon import hash_normal
+
+    # the typical use: a fresh fold_in key per step; element 0 (and 2) over 100k steps must be N(0, 1)
+    keys = jax.vmap(lambda i: jax.random.fold_in(jax.random.key(3), i))(jnp.arange(100_000))
+    draws = np.asarray(jax.jit(jax.vmap(lambda k: hash_normal(k, 3)))(keys), np.float64)
+    for col in (0, 2):
+        assert stats.kstest(draws[:, col], "norm").pvalue > 1e-4
+    assert abs(np.corrcoef(draws[:, 0], draws[:, 1])[0, 1]) * np.sqrt(len(draws)) < 5
+    # deterministic in the key, odd sizes, low-precision dtypes stay finite
+    np.testing.assert_array_equal(hash_normal(keys[0], 5), hash_normal(keys[0], 5))
+    assert not np.array_equal(hash_normal(keys[0], 5), hash_normal(keys[1], 5))
+    for dt in (jnp.bfloat16, jnp.float16):
+        zz = hash_normal(keys[0], 1001, dt)
+        assert zz.dtype == dt and zz.shape == (1001,) and bool(jnp.all(jnp.isfinite(zz)))
+
+
+def test_noise_rng_options():
+    params = {"w": jnp.zeros((30, 20)), "b": jnp.zeros(7)}
+    key = jax.random.key(5)
+    # 'jax' draws exactly jax.random.normal over the flattened parameters (the previous behaviour);
+    # s.d. 1/sqrt(100 (3 + 1)) = 0.05
+    opt = ivon(lr=0.1, ess=100.0, hess_init=3.0, weight_decay=1.0, noise_rng="jax")
+    _, noise = opt.sample(key, opt.init(params))
+    flat = jax.random.normal(key, (607,))
+    np.testing.assert_allclose(jnp.concatenate([noise["b"], noise["w"].ravel()]), 0.05 * flat, rtol=1e-6)
+    # any key implementation works for either generator; the hash one samples with the right scale
+    for rng in ("jax", "hash"):
+        o = ivon(lr=0.1, ess=100.0, hess_init=3.0, weight_decay=1.0, noise_rng=rng)
+        _, nz = o.sample(jax.random.key(0, impl="rbg"), o.init({"a": jnp.zeros(20000)}))
+        np.testing.assert_allclose(np.std(nz["a"]), 0.05, rtol=0.03)
+    with pytest.raises(ValueError, match="noise_rng"):
+        ivon(lr=0.1, ess=10.0, noise_rng="mt19937")

@@ -166,3 +166,48 @@ def test_guides_it_cannot_read_and_fallback():
     svi = SVI(with_param, AutoNormal(with_param), IVON(lr=0.1, ess=N, fallback=optax.adam(0.05)), Trace_ELBO())
     res = svi.run(jax.random.key(0), 300, X, Y, progress_bar=False)
     assert np.all(np.isfinite(res.losses)) and float(res.params["noise"]) != 0.5
+
+
+def _eqx_model(prior):
+    import equinox as eqx
+    from numpyro.contrib.module import random_eqx_module
+
+    linear = eqx.nn.Linear(3, 1, key=jax.random.key(0))
+
+    def model(x, y=None):
+        net = random_eqx_module("net", linear, prior=prior)
+        mu = jax.vmap(net)(x)[:, 0]
+        numpyro.sample("y", dist.Normal(mu, 0.5), obs=y)
+
+    return model
+
+
+def test_unread_module_placeholder_is_passed_through():
+    # random_eqx_module registers "net$params" (the eqx module's weights) next to the latent sites
+    # "net/weight", "net/bias"; with a prior on every weight the ELBO never reads it.
+    model = _eqx_model(dist.Normal(0.0, 1.0))
+    guide = AutoNormal(model)
+    svi = SVI(model, guide, IVON(lr=0.2, ess=N, beta2=0.99), Trace_ELBO())
+    state0 = svi.init(jax.random.key(0), X, Y)
+    placeholder = svi.get_params(state0)["net$params"]
+    res = svi.run(jax.random.key(1), 1000, X, Y, progress_bar=False)
+    for a, b in zip(jax.tree.leaves(res.params["net$params"]), jax.tree.leaves(placeholder)):
+        np.testing.assert_array_equal(a, b)
+    assert np.all(np.isfinite(res.losses)) and np.mean(res.losses[-50:]) < np.mean(res.losses[:20])
+    assert int(res.state.optim_state[1].skipped) == 0
+    # the Gaussian part is the conjugate posterior (the Linear weight is (1, 3), bias (1,))
+    mean, sd = exact_posterior()
+    m = np.concatenate([np.ravel(res.params["net/weight_auto_loc"]), np.ravel(res.params["net/bias_auto_loc"])])
+    assert np.max(np.abs(m - mean) / sd) < 0.5
+
+
+def test_read_module_placeholder_needs_fallback():
+    # no prior for the bias: the model reads it from "net$params", which IVON cannot update
+    model = _eqx_model({"weight": dist.Normal(0.0, 1.0)})
+    svi = SVI(model, AutoNormal(model), IVON(lr=0.2, ess=N), Trace_ELBO())
+    state = svi.init(jax.random.key(0), X, Y)
+    with pytest.raises(GuideLayoutError, match="fallback"):
+        svi.update(state, X, Y)
+    svi = SVI(model, AutoNormal(model), IVON(lr=0.2, ess=N, fallback=optax.adam(0.05)), Trace_ELBO())
+    res = svi.run(jax.random.key(0), 300, X, Y, progress_bar=False)
+    assert np.all(np.isfinite(res.losses))

@@ -46,6 +46,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.flatten_util import ravel_pytree
 
 HESS_APPROX = ("price", "gradsq")
 
@@ -174,6 +175,76 @@ def normal_like(key, tree):
     return jax.tree.unflatten(treedef, out)
 
 
+NOISE_RNG = ("hash", "jax")
+
+_TWO_PI_2_30 = np.float32(np.pi / 2 * 2.0**-30)
+_HALF_PI = np.float32(np.pi / 2)
+# Taylor coefficients of cos on [0, pi/2] up to t^12: truncation error < 6.2e-9 (float32 eps 6e-8)
+_COS_COEF = [np.float32((-1) ** k / math.factorial(2 * k)) for k in range(7)]
+
+
+def _mix32(x):
+    """``lowbias32`` (C. Wellons, *hash-prospector*): a bijective 32-bit integer mixer."""
+    x = x ^ (x >> 16)
+    x = x * jnp.uint32(0x21F0AAAD)
+    x = x ^ (x >> 15)
+    x = x * jnp.uint32(0x735A2D97)
+    return x ^ (x >> 15)
+
+
+def _cos_of_bits(b):
+    """``cos(2 pi b / 2^32)`` for uint32 ``b``: the top two bits pick the quadrant, the other 30 the
+    angle in it, evaluated by one even polynomial on ``[0, pi/2]`` (no range reduction needed)."""
+    q = b >> 30
+    t = (b & jnp.uint32(0x3FFFFFFF)).astype(jnp.float32) * _TWO_PI_2_30
+    t = jnp.where((q & 1) == 1, _HALF_PI - t, t)  # q=1: -sin t = -cos(pi/2-t); q=3: sin t = cos(pi/2-t)
+    t2 = t * t
+    c = _COS_COEF[-1]
+    for coef in _COS_COEF[-2::-1]:
+        c = c * t2 + coef
+    return jnp.where((q == 1) | (q == 2), -c, c)
+
+
+def hash_normal(key, n, dtype=jnp.float32):
+    r"""``n`` standard normals from ``key``, cheaply: a counter-based hash and Box-Muller.
+
+    ``jax.random.bits(key, (4,))`` gives four 32-bit key words (one small call of the key's own PRNG,
+    threefry by default). Pair ``j`` gets two independent 32-bit words
+    :math:`a_j = \mathrm{mix}(\mathrm{mix}(j \oplus k_0) + k_1)`,
+    :math:`b_j = \mathrm{mix}(\mathrm{mix}(j \oplus k_2) + k_3)` (``mix`` = the ``lowbias32``
+    integer hash); :math:`u = (\lfloor a/2^8\rfloor + 1)/2^{24} \in (0, 1]`, :math:`\phi = 2\pi b/2^{32}`
+    and the Box-Muller pair :math:`\sqrt{-2\log u}\,(\cos\phi, \sin\phi)` fills elements ``j`` and
+    ``j + ceil(n/2)``. The cosine is a degree-12 polynomial on a quarter turn (error < 1e-8).
+
+    Resolution is float32 (24-bit radius, 30-bit angle; ``|z| <= 5.77``, i.e. the tail beyond
+    5.77 s.d., probability 8e-9, is cut); the result is cast to ``dtype``. The hash is not
+    cryptographic and not a certified stream generator like threefry: it is meant for Monte Carlo
+    weight noise, where it is 4-6x cheaper than ``jax.random.normal`` on CPU. jit/vmap-able, pure.
+    """
+    n = int(n)
+    k = jax.random.bits(key, (4,), jnp.uint32)
+    half = (n + 1) // 2
+    j = lax.iota(jnp.uint32, half)
+    a = _mix32(_mix32(j ^ k[0]) + k[1])
+    b = _mix32(_mix32(j ^ k[2]) + k[3])
+    u = ((a >> 8) + 1).astype(jnp.float32) * np.float32(2.0**-24)
+    r = jnp.sqrt(np.float32(-2.0) * jnp.log(u))
+    # materialise the radius and angle once: otherwise XLA's concatenate fusion recomputes the log
+    # for each of the two outputs of a pair
+    r, b = lax.optimization_barrier((r, b))
+    z = jnp.concatenate([r * _cos_of_bits(b), r * _cos_of_bits(b - jnp.uint32(1 << 30))])
+    return z[:n].astype(dtype)
+
+
+def standard_normal(key, n, dtype=jnp.float32, rng="hash"):
+    """``n`` standard normals: :func:`hash_normal` (``rng='hash'``) or ``jax.random.normal`` with the
+    key's own PRNG implementation (``rng='jax'``: threefry, or ``rbg``/``unsafe_rbg`` if the key was
+    made with ``jax.random.key(seed, impl=...)``)."""
+    if rng == "hash":
+        return hash_normal(key, n, dtype)
+    return jax.random.normal(key, (int(n),), dtype)
+
+
 def _stack_samples(samples, like, what):
     """Accept one pytree, a stacked pytree (leading MC axis) or a list of pytrees; return stacked."""
     struct = jax.tree.structure(like)
@@ -245,6 +316,7 @@ def ivon(
     rescale_lr=True,
     axis_name: Optional[str] = None,
     vmap_samples=True,
+    noise_rng="hash",
 ) -> IVONFunctions:
     """Build IVON (Shen et al. 2024). Returns an :class:`IVONFunctions` of pure functions:
 
@@ -258,7 +330,8 @@ def ivon(
         Steps whose statistics or result are not finite are skipped (state kept,
         ``nonfinite=True``, ``skipped += 1``).
     ``step(key, state, loss_fn, *args) -> (IVONState, loss)``
-        samples ``mc_samples`` weights, evaluates ``jax.value_and_grad(loss_fn)(theta, *args)``
+        samples ``mc_samples`` weights (sample ``s`` with ``jax.random.split(key, mc_samples)[s]``,
+        exactly as ``sample``), evaluates ``jax.value_and_grad(loss_fn)(theta, *args)``
         for each (``vmap`` if ``vmap_samples`` else a ``lax.scan`` accumulating the means) and
         updates; ``loss`` is the mean over samples. jit-able (close over ``loss_fn``).
     ``predictive(key, state, apply_fn, x, num_samples) -> mean of apply_fn over q``.
@@ -270,6 +343,16 @@ def ivon(
     ``lr`` may be an optax schedule (``count -> lr``). ``axis_name``: inside ``pmap``/``shard_map``
     the gradient statistics are ``lax.pmean``-ed over that axis (and ``step`` folds the device
     index into the key so each device draws its own weights).
+
+    ``noise_rng`` chooses how the weight noise ``eps`` is drawn: ``'hash'`` (default)
+    :func:`hash_normal`, a counter-based hash + Box-Muller seeded by the key, several times cheaper
+    than ``jax.random.normal`` on CPU; ``'jax'``: ``jax.random.normal`` with the key's PRNG (threefry
+    unless the key was made with ``jax.random.key(seed, impl='rbg')`` etc.). Both draw one vector
+    for all parameters (flattened in ``jax.tree.leaves`` order).
+
+    Internally the state's pytrees are flattened into one vector per step
+    (``jax.flatten_util.ravel_pytree``) so that the noise, the statistics and the update are a
+    few fused passes rather than a few per leaf; the state itself keeps the parameters' pytree.
     """
     lr = _check_lr(lr)
     ess = _check_ess(ess)
@@ -283,49 +366,64 @@ def ivon(
     mc_samples = int(mc_samples)
     if hess_approx not in HESS_APPROX:
         raise ValueError(f"hess_approx must be one of {HESS_APPROX}, got {hess_approx!r}.")
+    if noise_rng not in NOISE_RNG:
+        raise ValueError(f"noise_rng must be one of {NOISE_RNG}, got {noise_rng!r}.")
+    price = hess_approx == "price"
     scale = hess_init + delta if rescale_lr else 1.0
 
     def init(params):
         return init_diagonal_state(IVONState, params, hess_init)
 
-    def sample(key, state):
-        eps = normal_like(key, state.params)
-        noise = jax.tree.map(lambda e, h: e * lax.rsqrt(ess * (h + delta)), eps, state.hess)
-        return jax.tree.map(jnp.add, state.params, noise), noise
+    def _flat_sample(key, m, h):
+        """(theta, noise) as flat vectors from the flat mean and Hessian."""
+        eps = standard_normal(key, m.shape[0], m.dtype, noise_rng)
+        noise = eps * lax.rsqrt(ess * (h + delta)).astype(m.dtype)
+        return m + noise, noise
 
-    def _apply(g_bar, stat, state):
-        """The IVON step from the MC means ``g_bar`` and ``stat`` (mean noise*grad or grad**2)."""
+    def sample(key, state):
+        m, unravel = ravel_pytree(state.params)
+        theta, noise = _flat_sample(key, m, ravel_pytree(state.hess)[0])
+        return unravel(theta), unravel(noise)
+
+    def _flat_apply(g, s, m, h, mom, state):
+        """The IVON step on flat vectors: ``g``/``s`` the MC means of grad and noise*grad (grad**2)."""
         if axis_name is not None:
-            g_bar, stat = lax.pmean((g_bar, stat), axis_name)
+            g, s = lax.pmean((g, s), axis_name)
         t = state.count + 1
         alpha = _lr_at(lr, state.count)
+        h_hat = ess * (h + delta) * s if price else ess * s
+        mom_new = beta1 * mom + (1.0 - beta1) * g
+        h_new = hessian_update(h, h_hat, beta2, delta)
+        debias = 1.0 - jnp.asarray(beta1, m.dtype) ** t.astype(m.dtype)
+        direction = (mom_new / debias + delta * m) / (h_new + delta)
+        m_new = (m - alpha * scale * jnp.clip(direction, -clip_radius, clip_radius)).astype(m.dtype)
+        # One reduction: x * 0 is 0 for finite x and NaN for +-inf/NaN, so the sum is finite iff every
+        # entry of the three vectors is. A non-finite g or s makes mom_new resp. h_new non-finite
+        # (1 - beta > 0 and m, h, mom are finite), so this is the check "g, s, m, h, mom all finite".
+        ok = jnp.isfinite(jnp.sum(m_new * 0 + h_new * 0 + mom_new * 0))
+        return (jnp.where(ok, m_new, m), jnp.where(ok, h_new, h), jnp.where(ok, mom_new, mom)), ok, t
 
-        if hess_approx == "price":
-            h_hat = jax.tree.map(lambda h, s: ess * (h + delta) * s, state.hess, stat)
-        else:
-            h_hat = jax.tree.map(lambda s: ess * s, stat)
-        mom_new = jax.tree.map(lambda mom, g: beta1 * mom + (1.0 - beta1) * g, state.momentum, g_bar)
-        h_new = jax.tree.map(lambda h, hh: hessian_update(h, hh, beta2, delta), state.hess, h_hat)
-
-        def mean_step(m, mom, h):
-            debias = 1.0 - jnp.asarray(beta1, m.dtype) ** t.astype(m.dtype)
-            direction = (mom / debias + delta * m) / (h + delta)
-            return (m - alpha * scale * jnp.clip(direction, -clip_radius, clip_radius)).astype(m.dtype)
-
-        m_new = jax.tree.map(mean_step, state.params, mom_new, h_new)
-        ok = _all_finite(g_bar, stat, m_new, h_new, mom_new)
+    def _apply_flat_stats(g, s, state):
+        m, unravel = ravel_pytree(state.params)
+        (m_new, h_new, mom_new), ok, t = _flat_apply(
+            g, s, m, ravel_pytree(state.hess)[0], ravel_pytree(state.momentum)[0], state
+        )
         return IVONState(
-            params=_select(ok, m_new, state.params),
-            hess=_select(ok, h_new, state.hess),
-            momentum=_select(ok, mom_new, state.momentum),
+            params=unravel(m_new),
+            hess=unravel(h_new),
+            momentum=unravel(mom_new),
             count=jnp.where(ok, t, state.count),
             nonfinite=~ok,
             skipped=state.skipped + jnp.where(ok, 0, 1).astype(jnp.int32),
         )
 
+    def _apply(g_bar, stat, state):
+        """The IVON step from the MC means ``g_bar`` and ``stat`` (pytrees like the parameters)."""
+        return _apply_flat_stats(ravel_pytree(g_bar)[0], ravel_pytree(stat)[0], state)
+
     def _stats(grads, noises):
         g_bar = jax.tree.map(lambda g: jnp.mean(g, axis=0), grads)
-        if hess_approx == "price":
+        if price:
             stat = jax.tree.map(lambda g, n: jnp.mean(n * g, axis=0), grads, noises)
         else:
             stat = jax.tree.map(lambda g: jnp.mean(g * g, axis=0), grads)
@@ -333,7 +431,7 @@ def ivon(
 
     def update(grads, noises, state):
         grads = _stack_samples(grads, state.params, "grads")
-        if hess_approx == "price":
+        if price:
             noises = _stack_samples(noises, state.params, "noises")
             if jax.tree.leaves(noises)[0].shape[0] != jax.tree.leaves(grads)[0].shape[0]:
                 raise ValueError("grads and noises must hold the same number of Monte Carlo samples.")
@@ -343,35 +441,30 @@ def ivon(
         if axis_name is not None:
             key = jax.random.fold_in(key, lax.axis_index(axis_name))
         keys = jax.random.split(key, mc_samples)
-        vg = jax.value_and_grad(loss_fn)
+        m, unravel = ravel_pytree(state.params)
+        h = ravel_pytree(state.hess)[0]
+
+        def flat_vg(k):
+            theta, noise = _flat_sample(k, m, h)
+            loss, g = jax.value_and_grad(loss_fn)(unravel(theta), *args)
+            g = ravel_pytree(g)[0]
+            return loss, g, (noise * g if price else g * g)
 
         if mc_samples == 1:  # no vmap/scan: a batch-1 vmap turns every matmul into a batched one
-            theta, noise = sample(keys[0], state)
-            loss, g = vg(theta, *args)
-            g_bar, stat = _stats(*jax.tree.map(lambda x: x[None], (g, noise)))
+            loss, g_bar, stat = flat_vg(keys[0])
         elif vmap_samples:
-            thetas, noises = jax.vmap(sample, in_axes=(0, None))(keys, state)
-            losses, grads = jax.vmap(lambda th: vg(th, *args))(thetas)
-            g_bar, stat = _stats(grads, noises)
-            loss = jnp.mean(losses)
+            losses, gs, ss = jax.vmap(flat_vg)(keys)
+            loss, g_bar, stat = jnp.mean(losses), jnp.mean(gs, axis=0), jnp.mean(ss, axis=0)
         else:
-            zeros = jax.tree.map(jnp.zeros_like, state.params)
-
             def body(carry, k):
-                loss_sum, g_sum, s_sum = carry
-                theta, noise = sample(k, state)
-                loss, g = vg(theta, *args)
-                s = jax.tree.map(jnp.multiply, noise, g) if hess_approx == "price" else jax.tree.map(jnp.square, g)
-                return (loss_sum + loss, jax.tree.map(jnp.add, g_sum, g), jax.tree.map(jnp.add, s_sum, s)), None
+                return jax.tree.map(jnp.add, carry, flat_vg(k)), None
 
-            init_carry = (jnp.zeros((), jax.tree.leaves(state.params)[0].dtype), zeros, zeros)
-            (loss_sum, g_sum, s_sum), _ = lax.scan(body, init_carry, keys)
-            g_bar = jax.tree.map(lambda x: x / mc_samples, g_sum)
-            stat = jax.tree.map(lambda x: x / mc_samples, s_sum)
-            loss = loss_sum / mc_samples
+            zero = jnp.zeros((), m.dtype)
+            (loss, g_sum, s_sum), _ = lax.scan(body, (zero, jnp.zeros_like(m), jnp.zeros_like(m)), keys)
+            loss, g_bar, stat = loss / mc_samples, g_sum / mc_samples, s_sum / mc_samples
         if axis_name is not None:
             loss = lax.pmean(loss, axis_name)
-        return _apply(g_bar, stat, state), loss
+        return _apply_flat_stats(g_bar, stat, state), loss
 
     def _predictive(key, state, apply_fn, x, num_samples):
         return predictive(key, state, apply_fn, x, num_samples, sample=sample)

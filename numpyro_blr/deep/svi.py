@@ -48,6 +48,12 @@ is written back as :math:`\sigma = 1/\sqrt{\lambda(h+\delta)}`. Consequences:
   ``rescale_lr`` off (:math:`c = 1`).
 * Steps with a non-finite loss, statistic or update are skipped (parameters and momentum kept),
   ``nonfinite`` is set and ``skipped`` counted in the state (``svi_result.state.optim_state[1]``).
+* Parameters outside the Gaussian are updated by ``fallback``. Without one, the only ones allowed
+  are the ``"{name}$params"`` placeholders of ``numpyro.contrib.module``'s ``random_*_module``
+  that the loss does not read (every module weight has a prior and is a latent site): they are
+  passed through unchanged. Whether the loss reads them is decided exactly, from the traced
+  ELBO (no operation of its jaxpr takes them as input); if it does (a module weight without a
+  prior), tracing the step raises ``GuideLayoutError`` asking for ``fallback=``.
 """
 
 from typing import Any, NamedTuple, Optional
@@ -75,6 +81,20 @@ class IVONSVIState(NamedTuple):
     fallback_state: Any
 
 
+PLACEHOLDER_SUFFIX = "$params"  # numpyro.contrib.module's parameter holding a module's weights
+
+
+def _unread_params(fn, params, names):
+    """The subset of ``names`` (keys of ``params``) whose leaves no operation of ``fn``'s traced
+    jaxpr reads (nor returns): ``fn(params)`` does not depend on them."""
+    jaxpr = jax.make_jaxpr(fn)(params).jaxpr
+    read = {id(v) for eqn in jaxpr.eqns for v in eqn.invars}
+    read |= {id(v) for v in jaxpr.outvars}
+    owner = [path[0].key for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+    used = {k for k, v in zip(owner, jaxpr.invars) if id(v) in read}
+    return [k for k in names if k not in used]
+
+
 def _finite(*trees):
     return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for t in trees for x in jax.tree.leaves(t)]))
 
@@ -89,7 +109,8 @@ class IVON(_NumPyroOptim):
     :param beta1, beta2, clip_radius, rescale_lr: as in :func:`numpyro_blr.deep.ivon`.
     :param weight_decay: :math:`\\delta`, an extra prior precision per example added by the
         optimizer (default 0: the model's prior is already in the ELBO).
-    :param fallback: optax ``GradientTransformation`` for parameters outside the Gaussian.
+    :param fallback: optax ``GradientTransformation`` for parameters outside the Gaussian (not needed
+        for ``numpyro.contrib.module``'s unread ``"{name}$params"`` placeholders, see the module docstring).
     :param guide, prefix: to read a non-default autoguide prefix or scale constraint.
     """
 
@@ -117,7 +138,7 @@ class IVON(_NumPyroOptim):
                 f"or '{self.prefix}_loc'/'{self.prefix}_scale': AutoNormal, AutoDiagonalNormal); "
                 f"got parameters {sorted(params)}" + (f" (not diagonal Gaussian: {bad})" if bad else "") + "."
             )
-        if layout.other and self.fallback is None:
+        if self.fallback is None and any(not k.endswith(PLACEHOLDER_SUFFIX) for k in layout.other):
             raise GuideLayoutError(
                 f"IVON cannot treat the parameter(s) {list(layout.other)} as part of a Gaussian guide; "
                 "pass fallback=optax.adam(1e-3) (or another optax optimizer) to update them."
@@ -158,6 +179,16 @@ class IVON(_NumPyroOptim):
         i, s = state
         params = s.params
         layout = self.layout(params)
+        passthrough = ()
+        if layout.other and self.fallback is None:  # only "$params" placeholders (checked by layout)
+            passthrough = layout.other
+            read = sorted(set(passthrough) - set(_unread_params(fn, params, passthrough)))
+            if read:
+                raise GuideLayoutError(
+                    f"IVON: the loss reads the parameter(s) {read}, which are not part of a Gaussian guide "
+                    "(a module weight without a prior?); pass fallback=optax.adam(1e-3) (or another optax "
+                    "optimizer) to update them."
+                )
         (loss, aux), grads = _value_and_grad(fn, x=params, forward_mode_differentiation=forward_mode)
         lam, delta = self.ess, self.delta
         m, h, g_bar, stat = {}, {}, {}, {}
@@ -176,11 +207,11 @@ class IVON(_NumPyroOptim):
             new_params[b.loc] = core.params[b.loc]
             new_params[b.scale] = b.transform.inv(lax.rsqrt(lam * (core.hess[b.loc] + delta)))
         new_fb = s.fallback_state
-        if layout.other:
+        if layout.other and not passthrough:  # passthrough parameters stay as they are in new_params
             other_g = {k: grads[k] for k in layout.other}
             updates, new_fb = self.fallback.update(other_g, s.fallback_state, {k: params[k] for k in layout.other})
             for k in layout.other:
-                new_params[k] = params[k] + updates[k]
+                new_params[k] = jax.tree.map(jnp.add, params[k], updates[k])  # params may be pytrees
         ok = ~core.nonfinite & jnp.isfinite(loss) & _finite(new_params, new_fb)
         new = IVONSVIState(new_params, core.momentum, core.count, jnp.zeros((), bool), s.skipped, new_fb)
         flagged = s._replace(nonfinite=jnp.ones((), bool), skipped=s.skipped + 1)
