@@ -355,9 +355,12 @@ class BLR(_NumPyroOptim):
                 new_params[k] = params[k] + updates[k]
                 checked[k] = (grads[k], new_params[k])
 
-        finite = {k: jnp.all(jnp.array([jnp.all(jnp.isfinite(a)) for a in arrs])) for k, arrs in checked.items()}
+        def all_finite(arrays):
+            # one reduction: x * 0 is 0 for finite x and NaN for inf/NaN, so the sum is finite iff all are
+            return jnp.isfinite(sum(jnp.sum(a * 0) for a in arrays))
+
         loss_ok = jnp.isfinite(loss)
-        ok = loss_ok & jnp.all(jnp.array(list(finite.values())))
+        ok = loss_ok & all_finite([a for arrs in checked.values() for a in arrs])
         new_state = BLRState(new_params, new_mom, new_point_prec, new_fb, s.nonfinite, s.nonfinite_steps)
 
         if stable:
@@ -366,7 +369,8 @@ class BLR(_NumPyroOptim):
             )
             return (loss, aux), out_state
 
-        def reject(_):
+        def reject(_):  # per-parameter flags, computed only when a step is rejected
+            finite = {k: all_finite(arrs) for k, arrs in checked.items()}
             bad = {k: ~finite.get(k, loss_ok) | ~loss_ok for k in params}
             jax.debug.callback(_report_nonfinite, bad)
             flags = {k: s.nonfinite[k] | bad[k] for k in params}
