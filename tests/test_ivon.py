@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from numpyro_blr.deep import hessian_update, ivon
+from numpyro_blr.deep import IVONState, hessian_update, ivon
 
 SHAPES = {"w": (2, 3), "b": (3,)}
 
@@ -324,3 +324,34 @@ def test_noise_rng_options():
         np.testing.assert_allclose(np.std(nz["a"]), 0.05, rtol=0.03)
     with pytest.raises(ValueError, match="noise_rng"):
         ivon(lr=0.1, ess=10.0, noise_rng="mt19937")
+
+
+def test_ivon_state_stores_flat_vectors_and_gives_back_the_pytrees():
+    """IVONState keeps m, h and the momentum as flat vectors; params/hess/momentum are exact views,
+    _replace takes pytrees like a NamedTuple, and the state passes through jit and lax.scan."""
+    params = {"w": jnp.arange(6.0).reshape(2, 3), "b": (jnp.array([7.0]), jnp.zeros((0,)))}
+    opt = ivon(lr=0.1, ess=10.0)
+    state = opt.init(params)
+    assert state.mean_flat.shape == (7,) and state.hess_flat.shape == (7,)
+    for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(params)):
+        np.testing.assert_array_equal(a, b)
+    assert jax.tree.structure(state.hess) == jax.tree.structure(params)
+    new_h = jax.tree.map(lambda p: p + 2.0, params)
+    st2 = state._replace(hess=new_h, count=jnp.int32(3))
+    np.testing.assert_array_equal(st2.hess["w"], new_h["w"])
+    assert int(st2.count) == 3 and np.all(st2.params["w"] == params["w"])
+    with pytest.raises(ValueError, match="no field"):
+        state._replace(mean=1.0)
+    out = jax.jit(lambda s: s)(st2)
+    assert isinstance(out, IVONState) and out.layout == st2.layout
+    np.testing.assert_array_equal(out.hess_flat, st2.hess_flat)
+
+    def loss(p, x):
+        return jnp.sum((p["w"] - x) ** 2) + jnp.sum(p["b"][0] ** 2)
+
+    def body(s, k):
+        s, l = opt.step(k, s, loss, 1.0)
+        return s, l
+
+    final, losses = jax.lax.scan(body, state, jax.random.split(jax.random.key(0), 5))
+    assert int(final.count) == 5 and losses.shape == (5,) and "IVONState" in repr(final)

@@ -34,7 +34,7 @@ The loss :math:`\bar\ell` is the **average** per-example loss of a mini-batch (w
 hand to SGD or Adam); ``ess`` turns it into the sum over the data set. The weight decay enters
 both the prior and the update, so do not add an L2 term to the loss as well.
 
-Everything is a pure function of arrays; the state is a :class:`IVONState` ``NamedTuple`` and
+Everything is a pure function of arrays; the state is an :class:`IVONState` pytree and
 all randomness comes from the ``key`` argument, so ``step`` can be ``jax.jit``-ed, ``lax.scan``-ed
 and ``pmap``-ed (set ``axis_name`` to average the gradient statistics over devices).
 """
@@ -46,12 +46,38 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.flatten_util import ravel_pytree
 
 HESS_APPROX = ("price", "gradsq")
 
 
-class IVONState(NamedTuple):
+class ParamLayout(NamedTuple):
+    """How a pytree of same-dtype arrays maps to one flat vector (hashable: jit-static)."""
+
+    treedef: Any
+    shapes: tuple
+    dtype: str
+
+    @classmethod
+    def of(cls, tree):
+        leaves, treedef = jax.tree.flatten(tree)
+        return cls(treedef, tuple(tuple(jnp.shape(x)) for x in leaves), str(jnp.result_type(*leaves)))
+
+    def ravel(self, tree):
+        leaves = self.treedef.flatten_up_to(tree)
+        flat = [jnp.reshape(jnp.asarray(x, self.dtype), (-1,)) for x in leaves]
+        return flat[0] if len(flat) == 1 else jnp.concatenate(flat)
+
+    def unravel(self, flat):
+        out, start = [], 0
+        for shape in self.shapes:
+            n = int(np.prod(shape))
+            out.append(flat[start:start + n].reshape(shape))
+            start += n
+        return self.treedef.unflatten(out)
+
+
+@jax.tree_util.register_pytree_node_class
+class IVONState:
     """IVON state (fixed-shape arrays only).
 
     ``params``     the posterior mean :math:`m` (pytree like the model parameters);
@@ -60,14 +86,65 @@ class IVONState(NamedTuple):
     ``count``      number of steps taken (skipped steps are not counted), int32;
     ``nonfinite``  bool, whether the *last* step was skipped for a non-finite gradient/update;
     ``skipped``    int32, how many steps were skipped so far.
+
+    Constructed like a ``NamedTuple`` from those six fields (and ``_replace`` works the same way),
+    but :math:`m`, :math:`h` and :math:`g_m` are *stored* as three flat vectors (``mean_flat``,
+    ``hess_flat``, ``momentum_flat``; ``layout`` maps them to the parameters' pytree), so that a
+    step is a few fused passes over contiguous memory with no per-step packing: ``params``,
+    ``hess`` and ``momentum`` are views computed on access.
     """
 
-    params: Any
-    hess: Any
-    momentum: Any
-    count: jax.Array
-    nonfinite: jax.Array
-    skipped: jax.Array
+    _fields = ("params", "hess", "momentum", "count", "nonfinite", "skipped")
+
+    def __init__(self, params, hess, momentum, count, nonfinite, skipped):
+        layout = ParamLayout.of(params)
+        self._set(layout, layout.ravel(params), layout.ravel(hess), layout.ravel(momentum), count, nonfinite, skipped)
+
+    def _set(self, layout, mean, hess, momentum, count, nonfinite, skipped):
+        self.layout = layout
+        self.mean_flat, self.hess_flat, self.momentum_flat = mean, hess, momentum
+        self.count, self.nonfinite, self.skipped = count, nonfinite, skipped
+
+    @classmethod
+    def from_flat(cls, layout, mean, hess, momentum, count, nonfinite, skipped):
+        state = object.__new__(cls)
+        state._set(layout, mean, hess, momentum, count, nonfinite, skipped)
+        return state
+
+    @property
+    def params(self):
+        return self.layout.unravel(self.mean_flat)
+
+    @property
+    def hess(self):
+        return self.layout.unravel(self.hess_flat)
+
+    @property
+    def momentum(self):
+        return self.layout.unravel(self.momentum_flat)
+
+    def _replace(self, **kwargs):
+        unknown = set(kwargs) - set(self._fields)
+        if unknown:
+            raise ValueError(f"IVONState has no field(s) {sorted(unknown)}; fields: {self._fields}.")
+        flat = {"params": self.mean_flat, "hess": self.hess_flat, "momentum": self.momentum_flat}
+        for k in ("params", "hess", "momentum"):
+            if k in kwargs:
+                flat[k] = self.layout.ravel(kwargs.pop(k))
+        rest = {k: kwargs.get(k, getattr(self, k)) for k in ("count", "nonfinite", "skipped")}
+        return IVONState.from_flat(self.layout, flat["params"], flat["hess"], flat["momentum"], **rest)
+
+    def tree_flatten(self):
+        children = (self.mean_flat, self.hess_flat, self.momentum_flat, self.count, self.nonfinite, self.skipped)
+        return children, self.layout
+
+    @classmethod
+    def tree_unflatten(cls, layout, children):
+        return cls.from_flat(layout, *children)
+
+    def __repr__(self):
+        return (f"IVONState(params={self.layout.treedef}, {sum(int(np.prod(s)) for s in self.layout.shapes)} "
+                f"numbers, count={self.count}, nonfinite={self.nonfinite}, skipped={self.skipped})")
 
 
 class IVONFunctions(NamedTuple):
@@ -350,9 +427,9 @@ def ivon(
     unless the key was made with ``jax.random.key(seed, impl='rbg')`` etc.). Both draw one vector
     for all parameters (flattened in ``jax.tree.leaves`` order).
 
-    Internally the state's pytrees are flattened into one vector per step
-    (``jax.flatten_util.ravel_pytree``) so that the noise, the statistics and the update are a
-    few fused passes rather than a few per leaf; the state itself keeps the parameters' pytree.
+    The state keeps :math:`m`, :math:`h` and the momentum as flat vectors (:class:`IVONState`), so
+    the noise, the statistics and the update are a few fused passes over contiguous memory; only the
+    sampled weights are unflattened (for ``loss_fn``) and the gradient flattened, once per sample.
     """
     lr = _check_lr(lr)
     ess = _check_ess(ess)
@@ -381,12 +458,12 @@ def ivon(
         return m + noise, noise
 
     def sample(key, state):
-        m, unravel = ravel_pytree(state.params)
-        theta, noise = _flat_sample(key, m, ravel_pytree(state.hess)[0])
-        return unravel(theta), unravel(noise)
+        theta, noise = _flat_sample(key, state.mean_flat, state.hess_flat)
+        return state.layout.unravel(theta), state.layout.unravel(noise)
 
-    def _flat_apply(g, s, m, h, mom, state):
+    def _apply_flat_stats(g, s, state):
         """The IVON step on flat vectors: ``g``/``s`` the MC means of grad and noise*grad (grad**2)."""
+        m, h, mom = state.mean_flat, state.hess_flat, state.momentum_flat
         if axis_name is not None:
             g, s = lax.pmean((g, s), axis_name)
         t = state.count + 1
@@ -401,17 +478,11 @@ def ivon(
         # entry of the three vectors is. A non-finite g or s makes mom_new resp. h_new non-finite
         # (1 - beta > 0 and m, h, mom are finite), so this is the check "g, s, m, h, mom all finite".
         ok = jnp.isfinite(jnp.sum(m_new * 0 + h_new * 0 + mom_new * 0))
-        return (jnp.where(ok, m_new, m), jnp.where(ok, h_new, h), jnp.where(ok, mom_new, mom)), ok, t
-
-    def _apply_flat_stats(g, s, state):
-        m, unravel = ravel_pytree(state.params)
-        (m_new, h_new, mom_new), ok, t = _flat_apply(
-            g, s, m, ravel_pytree(state.hess)[0], ravel_pytree(state.momentum)[0], state
-        )
-        return IVONState(
-            params=unravel(m_new),
-            hess=unravel(h_new),
-            momentum=unravel(mom_new),
+        return IVONState.from_flat(
+            state.layout,
+            jnp.where(ok, m_new, m),
+            jnp.where(ok, h_new, h),
+            jnp.where(ok, mom_new, mom),
             count=jnp.where(ok, t, state.count),
             nonfinite=~ok,
             skipped=state.skipped + jnp.where(ok, 0, 1).astype(jnp.int32),
@@ -419,7 +490,7 @@ def ivon(
 
     def _apply(g_bar, stat, state):
         """The IVON step from the MC means ``g_bar`` and ``stat`` (pytrees like the parameters)."""
-        return _apply_flat_stats(ravel_pytree(g_bar)[0], ravel_pytree(stat)[0], state)
+        return _apply_flat_stats(state.layout.ravel(g_bar), state.layout.ravel(stat), state)
 
     def _stats(grads, noises):
         g_bar = jax.tree.map(lambda g: jnp.mean(g, axis=0), grads)
@@ -441,13 +512,12 @@ def ivon(
         if axis_name is not None:
             key = jax.random.fold_in(key, lax.axis_index(axis_name))
         keys = jax.random.split(key, mc_samples)
-        m, unravel = ravel_pytree(state.params)
-        h = ravel_pytree(state.hess)[0]
+        m, h, layout = state.mean_flat, state.hess_flat, state.layout
 
         def flat_vg(k):
             theta, noise = _flat_sample(k, m, h)
-            loss, g = jax.value_and_grad(loss_fn)(unravel(theta), *args)
-            g = ravel_pytree(g)[0]
+            loss, g = jax.value_and_grad(loss_fn)(layout.unravel(theta), *args)
+            g = layout.ravel(g)
             return loss, g, (noise * g if price else g * g)
 
         if mc_samples == 1:  # no vmap/scan: a batch-1 vmap turns every matmul into a batched one
