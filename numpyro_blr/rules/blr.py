@@ -132,6 +132,8 @@ def momentum_update(momentum, grad, beta, step):
     ``momentum <- beta momentum + (1 - beta) grad``; returns the new momentum and
     ``momentum / (1 - beta^step)`` (``step`` counts from 1). ``beta = 0`` returns ``grad``.
     """
+    if isinstance(beta, (int, float)) and beta == 0.0:  # a static 0: no arithmetic at all
+        return grad, grad
     new = beta * momentum + (1.0 - beta) * grad
     corrected = new / (1.0 - jnp.asarray(beta, new.dtype) ** step)
     return new, corrected
