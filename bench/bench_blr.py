@@ -13,6 +13,8 @@ Run: python bench/bench_blr.py [--quick]
 """
 
 import argparse
+import os
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -26,20 +28,14 @@ from sklearn.datasets import load_breast_cancer, load_diabetes, load_digits
 import numpyro_blr as nb
 from numpyro_blr.monitor import elbo_curve, steps_to_reach, time_per_step_alternating
 
-
-def standardise_with_intercept(X):
-    X = (X - X.mean(0)) / X.std(0)
-    return np.hstack([np.ones((X.shape[0], 1)), X])
-
-
-def logistic_model(X, y=None):
-    w = numpyro.sample("w", dist.Normal(0.0, 1.0).expand([X.shape[1]]).to_event(1))
-    numpyro.sample("y", dist.Bernoulli(logits=X @ w), obs=y)
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
+from logistic_regression import linear_model as linear_model_with_noise  # noqa: E402
+from logistic_regression import logistic_model, standardise_with_intercept  # noqa: E402
 
 
 def linear_model(X, y=None):
-    w = numpyro.sample("w", dist.Normal(0.0, 1.0).expand([X.shape[1]]).to_event(1))
-    numpyro.sample("y", dist.Normal(X @ w, 0.7), obs=y)
+    """The diabetes model of the demo, with the noise s.d. fixed at 0.7."""
+    return linear_model_with_noise(X, y, noise=0.7)
 
 
 def softmax_model(X, y=None):
