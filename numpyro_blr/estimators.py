@@ -80,19 +80,25 @@ def at_mean(params, layout):
     return out
 
 
-def _scale_grad(block, scale, grad_raw):
+def _scale_grad(block, scale, grad_raw, transpose=False):
     r"""The reparameterisation term :math:`\nabla\ell(z)\,\epsilon^\top` (lower part; elementwise when diagonal).
 
     ``grad_raw`` is the ELBO gradient w.r.t. the raw scale parameter; the vector-Jacobian product
     of the inverse bijection maps it to :math:`\partial\mathcal{L}/\partial s` (or :math:`/\partial L`),
     and adding back the entropy's :math:`1/s` (or :math:`\operatorname{diag}(1/L_{ii})`) leaves the
-    term that carries the curvature.
+    term that carries the curvature. ``transpose=True`` (full blocks) returns its transpose.
     """
-    _, vjp = jax.vjp(block.transform.inv, scale)
-    (g,) = vjp(grad_raw)
+    transform = block.transform
     if block.kind == DIAGONAL:
-        return g + 1.0 / scale
-    return jnp.tril(g) + jnp.diag(1.0 / jnp.diagonal(scale))
+        _, vjp = jax.vjp(transform.inv, scale)
+        return vjp(grad_raw)[0] + 1.0 / scale
+    if hasattr(transform, "cotangent_to_tril"):  # the same product, without XLA's scatter (see layout.py)
+        g = transform.cotangent_to_tril(scale, grad_raw, transpose=transpose)
+    else:
+        _, vjp = jax.vjp(transform.inv, scale)
+        g = jnp.tril(vjp(grad_raw)[0])
+        g = g.T if transpose else g
+    return g + jnp.diag(1.0 / jnp.diagonal(scale))
 
 
 def reparam_hessian_diagonal(scale, a):
@@ -108,7 +114,13 @@ def reparam_whitened_hessian(scale_tril, a):
     (module docstring, :math:`L^\top a = Y^\top`):
     :math:`M = Y^\top + \operatorname{triu}_1(Y - Y^\top) = \operatorname{tril}(Y^\top) + \operatorname{triu}_1(Y)`,
     symmetric by construction. Its expectation is :math:`L^\top\mathbb E_q[\nabla^2\ell]L`."""
-    y = jnp.tril(a).T @ scale_tril
+    return _whitened_hessian_from_transpose(scale_tril, jnp.tril(a).T)
+
+
+def _whitened_hessian_from_transpose(scale_tril, a_t):
+    """:func:`reparam_whitened_hessian` from :math:`a^\top` (upper triangular): ``a_t @ L`` is a plain
+    matrix product, which XLA runs about twice as fast as one with a transposed operand."""
+    y = a_t @ scale_tril
     return jnp.tril(y.T) + jnp.triu(y, k=1)
 
 
@@ -210,16 +222,18 @@ def estimate(fn, params, layout, hessian="reparam", delta=False, forward_mode=Fa
             if delta:
                 raise ValueError(f"hessian={hessian!r} needs a sample from the guide; with delta=True use 'autodiff' or 'none'.")
             scale = b.transform(params[b.scale])
-            a = _scale_grad(b, scale, grads[b.scale])
+            full = b.kind == FULL
+            a = _scale_grad(b, scale, grads[b.scale], transpose=full)  # a^T for a full block
             if hessian == "reparam":
                 # the same epsilon at scale c*s: subtracting its Price term removes the
                 # zero-mean noise grad(l)(m) eps^T that dominates far from the optimum
-                a = (a - _scale_grad(b, shrunk_scale[b.loc], base_grads[b.scale])) / (1.0 - BASELINE_SHRINK)
-            if b.kind == DIAGONAL:
+                base = _scale_grad(b, shrunk_scale[b.loc], base_grads[b.scale], transpose=full)
+                a = (a - base) / (1.0 - BASELINE_SHRINK)
+            if not full:
                 h = reparam_hessian_diagonal(scale, a)
             else:
-                whitened = reparam_whitened_hessian(scale, a)
-                h = reparam_hessian_full(scale, a)  # XLA drops it when only `whitened` is used
+                whitened = _whitened_hessian_from_transpose(scale, a)
+                h = reparam_hessian_full(scale, a.T)  # XLA drops it when only `whitened` is used
         stats[b.loc] = BlockStats(g, h, offset_of.get(b.loc), whitened)
 
     points = None

@@ -14,6 +14,7 @@ where :math:`\hat g, \hat H` come from :mod:`numpyro_blr.estimators`. Point mass
 Parameters outside any Gaussian go to a ``fallback`` optax optimizer or are rejected by name.
 """
 
+import functools
 import math
 import warnings
 from typing import Any, Callable, NamedTuple, Optional, Union
@@ -105,14 +106,14 @@ def _finite_or_zero(x):
     return jnp.where(jnp.all(jnp.isfinite(x)), x, jnp.zeros_like(x))
 
 
-def _report_nonfinite(bad):
-    names = sorted(k for k, v in bad.items() if bool(v))
+def _report_nonfinite(flags, skipped):
+    names = sorted(k for k, v in flags.items() if bool(v))
     warnings.warn(
-        f"nb.BLR: non-finite loss, gradient or update for parameter(s) {names}; the step was skipped and "
-        "the last finite values kept. Check the model's log density at the current guide, lower lr, or "
-        "use SVI.run(..., stable_update=True).",
+        f"nb.BLR skipped {skipped} step(s) because of a non-finite loss, gradient or update, for "
+        f"parameter(s) {names}; those steps kept the last finite values. Check the model's log density "
+        "at the current guide, lower lr, or use SVI.run(..., stable_update=True).",
         RuntimeWarning,
-        stacklevel=2,
+        stacklevel=3,
     )
 
 
@@ -187,6 +188,7 @@ class BLR(_NumPyroOptim):
         if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
             raise ValueError(f"seed must be an int, got {seed!r}.")
         self.seed = int(seed)
+        self._reported_skips = 0  # host-side only: how many skipped steps get_params already reported
 
     # -- structure -------------------------------------------------------------------------
     def layout(self, params):
@@ -236,7 +238,16 @@ class BLR(_NumPyroOptim):
         return jnp.array(0), state
 
     def get_params(self, state):
-        return state[1].params
+        """The guide's unconstrained parameters. Outside ``jit`` (``SVI.run`` calls this once at the
+        end of a run), warns if steps were skipped because of non-finite values since the last
+        warning, and names the parameters concerned."""
+        s = state[1]
+        if not isinstance(s.nonfinite_steps, jax.core.Tracer):
+            skipped = int(s.nonfinite_steps)
+            if skipped and skipped != self._reported_skips:
+                _report_nonfinite(s.nonfinite, skipped)
+            self._reported_skips = skipped
+        return s.params
 
     def update(self, g, state, value=None):
         raise TypeError(
@@ -360,24 +371,21 @@ class BLR(_NumPyroOptim):
             return jnp.isfinite(sum(jnp.sum(a * 0) for a in arrays))
 
         loss_ok = jnp.isfinite(loss)
-        ok = loss_ok & all_finite([a for arrs in checked.values() for a in arrs])
+        finite = {k: all_finite(arrs) for k, arrs in checked.items()}
+        ok = loss_ok & functools.reduce(jnp.logical_and, finite.values(), jnp.array(True))
         new_state = BLRState(new_params, new_mom, new_point_prec, new_fb, s.nonfinite, s.nonfinite_steps)
+        # Selections, not lax.cond: a conditional inside SVI.run's scan costs about 5 us per step
+        # on CPU (as much as a whole Adam step on a small model), a select is fused for free.
+        keep = lambda new, old: jax.tree_util.tree_map(lambda a, b: jnp.where(ok, a, b), new, old)  # noqa: E731
 
         if stable:
-            loss, out_state = lax.cond(
-                ok, lambda _: (loss, (t, new_state)), lambda _: (jnp.full_like(loss, jnp.nan), state), None
-            )
-            return (loss, aux), out_state
+            loss = jnp.where(ok, loss, jnp.full_like(loss, jnp.nan))
+            return (loss, aux), keep((t, new_state), state)
 
-        def reject(_):  # per-parameter flags, computed only when a step is rejected
-            finite = {k: all_finite(arrs) for k, arrs in checked.items()}
-            bad = {k: ~finite.get(k, loss_ok) | ~loss_ok for k in params}
-            jax.debug.callback(_report_nonfinite, bad)
-            flags = {k: s.nonfinite[k] | bad[k] for k in params}
-            return BLRState(params, s.momentum, s.point_precision, s.fallback_state, flags, s.nonfinite_steps + 1)
-
-        out = lax.cond(ok, lambda _: new_state, reject, None)
-        return (loss, aux), (t, out)
+        bad = {k: ~finite.get(k, loss_ok) | ~loss_ok for k in params}
+        flags = {k: s.nonfinite[k] | (bad[k] & ~ok) for k in params}
+        kept = BLRState(params, s.momentum, s.point_precision, s.fallback_state, flags, s.nonfinite_steps + 1)
+        return (loss, aux), (t, keep(new_state._replace(nonfinite=flags), kept))
 
 
 def nonfinite_parameters(state):

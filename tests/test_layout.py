@@ -1,0 +1,42 @@
+"""The gather-based copy of NumPyro's ScaledUnitLowerCholeskyTransform used by nb.BLR must agree
+with NumPyro's own transform: values, inverse, log-Jacobian and the vector-Jacobian product."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from numpyro.distributions import constraints
+from numpyro.distributions.transforms import biject_to
+
+from numpyro_blr.layout import FULL, GatherScaledUnitLowerCholesky, GaussianBlock
+
+
+@pytest.mark.parametrize("d", [1, 2, 5, 31])
+@pytest.mark.parametrize("batch", [(), (3,)])
+def test_gather_transform_equals_numpyro(d, batch):
+    numpyro_t, ours = biject_to(constraints.scaled_unit_lower_cholesky), GatherScaledUnitLowerCholesky()
+    x = jax.random.normal(jax.random.PRNGKey(d), batch + (d * (d + 1) // 2,))
+    # the same operations on the same values: equal bit for bit
+    np.testing.assert_array_equal(ours(x), numpyro_t(x))
+    np.testing.assert_array_equal(ours.inv(numpyro_t(x)), numpyro_t.inv(numpyro_t(x)))
+    np.testing.assert_array_equal(ours.log_abs_det_jacobian(x, ours(x)), numpyro_t.log_abs_det_jacobian(x, numpyro_t(x)))
+
+
+@pytest.mark.parametrize("d", [1, 3, 8])
+def test_cotangent_to_tril_is_the_vjp_of_the_inverse(d):
+    ours = GatherScaledUnitLowerCholesky()
+    with jax.enable_x64(True):
+        x = jax.random.normal(jax.random.PRNGKey(d), (d * (d + 1) // 2,), dtype=jnp.float64)
+        c = jax.random.normal(jax.random.PRNGKey(d + 1), x.shape, dtype=jnp.float64)
+        y = biject_to(constraints.scaled_unit_lower_cholesky)(x)
+        _, vjp = jax.vjp(biject_to(constraints.scaled_unit_lower_cholesky).inv, y)
+        expected = jnp.tril(vjp(c)[0])
+        np.testing.assert_allclose(ours.cotangent_to_tril(y, c), expected, rtol=1e-12, atol=1e-12)
+        np.testing.assert_allclose(ours.cotangent_to_tril(y, c, transpose=True), expected.T, rtol=1e-12, atol=1e-12)
+
+
+def test_full_block_uses_the_gather_transform_only_for_numpyros_default():
+    default = GaussianBlock(FULL, "auto_loc", "auto_scale_tril", constraints.scaled_unit_lower_cholesky)
+    other = GaussianBlock(FULL, "auto_loc", "auto_scale_tril", constraints.lower_cholesky)
+    assert isinstance(default.transform, GatherScaledUnitLowerCholesky)
+    assert not isinstance(other.transform, GatherScaledUnitLowerCholesky)
