@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import numpyro
 import numpyro.distributions as dist
+from numpyro.diagnostics import effective_sample_size
 from numpyro.infer import MCMC, NUTS, SVI, Trace_ELBO
 from numpyro.infer.autoguide import AutoMultivariateNormal
 from sklearn.datasets import load_breast_cancer, load_diabetes
@@ -52,9 +53,12 @@ def logistic_regression(adam_steps, blr_steps):
     key = jax.random.PRNGKey(0)
     print(f"== Bayesian logistic regression, breast cancer ({X.shape[0]} x {X.shape[1]}), AutoMultivariateNormal")
 
-    mcmc = MCMC(NUTS(logistic_model), num_warmup=1000, num_samples=2000, progress_bar=False)
+    mcmc = MCMC(NUTS(logistic_model), num_warmup=1000, num_samples=4000, num_chains=2, chain_method="sequential",
+                progress_bar=False)
     mcmc.run(jax.random.PRNGKey(1), X, y)
-    w = np.asarray(mcmc.get_samples()["w"])
+    w = np.asarray(mcmc.get_samples(group_by_chain=True)["w"])
+    nuts_se = 1.0 / np.sqrt(effective_sample_size(w))  # NUTS's own error of the mean, in sds
+    w = w.reshape(-1, w.shape[-1])
     nuts_mean, nuts_sd = w.mean(0), w.std(0)
 
     fits = {}
@@ -63,7 +67,8 @@ def logistic_regression(adam_steps, blr_steps):
         ("Adam(0.01)", numpyro.optim.Adam(0.01), adam_steps, 50),
     ]:
         svi = SVI(logistic_model, AutoMultivariateNormal(logistic_model), optim, Trace_ELBO())
-        curve = elbo_curve(svi, key, steps, X, y, checkpoints=range(0, steps + 1, every))
+        checkpoints = [*range(0, min(steps, 50) + 1, every), *range(50, steps + 1, 50)]  # fine where BLR converges
+        curve = elbo_curve(svi, key, steps, X, y, checkpoints=checkpoints)
         fits[name] = (svi, curve)
     converged = fits["Adam(0.01)"][1].elbo[-1]
     print(f"converged ELBO (Adam after {adam_steps} steps): {converged:.2f}")
@@ -77,6 +82,10 @@ def logistic_regression(adam_steps, blr_steps):
             f"{np.max(np.abs(mean - nuts_mean) / nuts_sd):>15.3f}"
             f"{np.min(sd / nuts_sd):>7.2f}-{np.max(sd / nuts_sd):.2f}"
         )
+    print(
+        f"(NUTS's own Monte Carlo error of the mean is sd/sqrt(ESS): {nuts_se.min():.3f}-{nuts_se.max():.3f} sd "
+        "across the coefficients, so |dmean|/sd carries about that much noise from the reference alone)"
+    )
     blr_mean, blr_sd = gaussian_moments(fits["BLR"][1].params)
     print("first 5 coefficients (mean +- sd):")
     for i in range(5):
@@ -108,6 +117,6 @@ if __name__ == "__main__":
     parser.add_argument("--quick", action="store_true", help="fewer Adam steps (for a smoke test)")
     args = parser.parse_args()
     t0 = time.perf_counter()
-    logistic_regression(adam_steps=500 if args.quick else 4000, blr_steps=100)
+    logistic_regression(adam_steps=500 if args.quick else 4000, blr_steps=400)
     linear_regression_one_step()
     print(f"\n(total {time.perf_counter() - t0:.0f} s)")
