@@ -113,7 +113,7 @@ def _report_nonfinite(flags, skipped):
         f"parameter(s) {names}; those steps kept the last finite values. Check the model's log density "
         "at the current guide, lower lr, or use SVI.run(..., stable_update=True).",
         RuntimeWarning,
-        stacklevel=3,
+        stacklevel=4,  # _report_nonfinite <- BLR.get_params <- SVI.get_params <- the caller
     )
 
 
