@@ -142,20 +142,23 @@ def _grad_and_loc_hessian(fn, params, names, forward_mode, scaled_blocks=()):
     Returns ``((loss, aux), grads, H, column)`` (``column`` None without ``scaled_blocks``).
     """
     flat, unravel = ravel_pytree({n: params[n] for n in names})
-    n = flat.shape[0]
 
-    def grad_of_locs(v):
-        p = {**params, **unravel(v[:n])}
-        for b in scaled_blocks:
-            p[b.scale] = b.transform.inv(v[n] * b.transform(params[b.scale]))
+    def grad_of_locs(v, c=None):
+        p = {**params, **unravel(v)}
+        if c is not None:
+            for b in scaled_blocks:
+                p[b.scale] = b.transform.inv(c * b.transform(params[b.scale]))
         out, grads = _value_and_grad(fn, p, forward_mode)
         return ravel_pytree({k: grads[k] for k in names})[0], (out, grads)
 
-    x = jnp.concatenate([flat, jnp.ones((1,), flat.dtype)]) if scaled_blocks else flat
-    jac, (out, grads) = jax.jacfwd(grad_of_locs, has_aux=True)(x)
-    if scaled_blocks:
-        return out, grads, jac[:, :n], jac[:, n]
-    return out, grads, jac, None
+    jac, (out, grads) = jax.jacfwd(grad_of_locs, has_aux=True)(flat)
+    if not scaled_blocks:
+        return out, grads, jac, None
+    # the c-direction as a separate one-tangent JVP: batched with the loc directions, its tangent
+    # would flow through the guide's scale transform and log-density once per loc direction
+    one = jnp.ones((), flat.dtype)
+    _, column = jax.jvp(lambda c: grad_of_locs(flat, c)[0], (one,), (one,))
+    return out, grads, jac, column
 
 
 def estimate(fn, params, layout, hessian="reparam", delta=False, forward_mode=False, point_hessian="autodiff"):
