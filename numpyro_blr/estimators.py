@@ -139,6 +139,8 @@ def _grad_and_loc_hessian(fn, params, names, forward_mode, scaled_blocks=()):
     ``scaled_blocks``, one more variable :math:`c` multiplies those blocks' scales
     (:math:`z = m + cL\epsilon`); the gradient's derivative along it at :math:`c = 1` is
     :math:`\nabla^2\ell(z)\,L\epsilon`, from which the sample's offset :math:`L\epsilon` is solved.
+    It is a separate one-tangent JVP, not one more column of the Jacobian, so that the loc
+    directions carry no tangent through the guide's scale transform and log-density.
     Returns ``((loss, aux), grads, H, column)`` (``column`` None without ``scaled_blocks``).
     """
     flat, unravel = ravel_pytree({n: params[n] for n in names})
