@@ -303,6 +303,24 @@ def tune(epochs=60, seeds=(0, 1, 2, 3, 4), num_samples=32, stage=2):
     return res
 
 
+def bootstrap_draws(n, boot=1000, seed=0):
+    """``boot`` resamples (with replacement) of ``n`` evaluation images."""
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, n, n) for _ in range(boot)]
+
+
+def nll_difference(p_ivon, p_adamw, y, draws):
+    """Per-image NLL difference IVON - AdamW (predictions ``seeds x images x classes``,
+    log-likelihoods averaged over seeds): a line with its mean, standard error over images and
+    bootstrap 95% interval over ``draws``."""
+    idx = np.arange(len(y))
+    nll = lambda ps: -np.mean(np.log(np.clip(np.asarray(ps, np.float64)[:, idx, y], 1e-12, None)), axis=0)  # noqa: E731
+    diff = nll(p_ivon) - nll(p_adamw)
+    ci = np.percentile([diff[b].mean() for b in draws], [2.5, 97.5])
+    return (f"NLL difference {diff.mean():+.4f}, s.e. over images {diff.std(ddof=1) / np.sqrt(len(diff)):.4f}, "
+            f"bootstrap 95% interval [{ci[0]:+.4f}, {ci[1]:+.4f}]")
+
+
 def paired_resolution(epochs=60, seeds=(0, 1, 2, 3, 4), num_samples=32, boot=1000):
     """How small an IVON - AdamW difference the fixed test split can resolve.
 
@@ -320,17 +338,12 @@ def paired_resolution(epochs=60, seeds=(0, 1, 2, 3, 4), num_samples=32, boot=100
         p_ivon.append(np.asarray(opt.predictive(jax.random.key(seed + 3), state, probs_fn, x_te, num_samples), np.float64))
         params, _ = train_optax(adamw(ADAMW_LR, epochs, n), data, epochs, seed)
         p_adamw.append(np.asarray(probs_fn(params, x_te), np.float64))
-    nll = lambda ps: -np.mean([np.log(np.clip(p[idx, y_te], 1e-12, None)) for p in ps], axis=0)  # noqa: E731
-    diff = nll(p_ivon) - nll(p_adamw)  # per test image
-    rng = np.random.default_rng(0)
-    draws = [rng.integers(0, len(y_te), len(y_te)) for _ in range(boot)]
-    nll_ci = np.percentile([diff[b].mean() for b in draws], [2.5, 97.5])
+    draws = bootstrap_draws(len(y_te), boot)
     ece_diff = lambda b: np.mean([metrics(pi[b], y_te[b])["ece"] - metrics(pa[b], y_te[b])["ece"]  # noqa: E731
                                   for pi, pa in zip(p_ivon, p_adamw)])
     ece_ci = np.percentile([ece_diff(b) for b in draws], [2.5, 97.5])
     print(f"IVON {num_samples}-sample - AdamW on the {len(y_te)} test images, seeds {list(seeds)}:")
-    print(f"  NLL difference {diff.mean():+.4f}, s.e. over images {diff.std(ddof=1) / np.sqrt(len(diff)):.4f}, "
-          f"bootstrap 95% interval [{nll_ci[0]:+.4f}, {nll_ci[1]:+.4f}]")
+    print("  " + nll_difference(p_ivon, p_adamw, y_te, draws))
     print(f"  ECE difference {ece_diff(idx):+.4f}, bootstrap 95% interval [{ece_ci[0]:+.4f}, {ece_ci[1]:+.4f}]")
 
 
@@ -356,17 +369,10 @@ def cross_validated(epochs=60, seeds=(0, 1, 2, 3, 4), folds=5, num_samples=32, b
             p_adamw[k, te] = np.asarray(probs_fn(params, x[te]))
             params, _ = train_optax(sgd(SGD_LR, epochs, len(tr)), data, epochs, seed)
             p_sgd[k, te] = np.asarray(probs_fn(params, x[te]))
-    idx = np.arange(len(y))
     for name, ps in (("IVON %d-sample" % num_samples, p_ivon), ("AdamW", p_adamw), ("SGD+momentum", p_sgd)):
         m = _mean_se([metrics(p, y) for p in ps])
         print(f"{name:<18} " + "  ".join(f"{k} {m[k][0]:.4f}±{m[k][1]:.4f}" for k in ("acc", "nll", "ece")))
-    nll = lambda ps: -np.mean(np.log(np.clip(ps[:, idx, y], 1e-12, None)), axis=0)  # noqa: E731
-    diff = nll(p_ivon) - nll(p_adamw)
-    rng = np.random.default_rng(0)
-    ci = np.percentile([diff[rng.integers(0, len(y), len(y))].mean() for _ in range(boot)], [2.5, 97.5])
-    print(f"NLL difference IVON - AdamW over {len(y)} held-out images: {diff.mean():+.4f}, s.e. "
-          f"{diff.std(ddof=1) / np.sqrt(len(y)):.4f}, bootstrap 95% interval [{ci[0]:+.4f}, {ci[1]:+.4f}]")
-
+    print(f"IVON - AdamW over the {len(y)} held-out images: " + nll_difference(p_ivon, p_adamw, y, bootstrap_draws(len(y), boot)))
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()
