@@ -8,7 +8,8 @@ from numpyro_blr.guides import ExpFamilyGuide
 from numpyro_blr.families import Bernoulli, Beta, Categorical, DiagonalGaussian, Dirichlet, FullGaussian, Gamma
 from numpyro_blr.infer import conjugate_fit
 from numpyro_blr.layout import GuideLayoutError, read_layout
-from numpyro_blr.optim import BLR, BLRState, harmonic_decay, nonfinite_parameters
+from numpyro_blr.optim import BLR, BLRState, FitTrace, adaptive_decay, harmonic_decay, nonfinite_parameters
+from numpyro_blr.report import FitReport, fit_report
 from numpyro_blr.presets import gradient_descent, laplace, newton, von
 
 __all__ = [
@@ -36,6 +37,10 @@ __all__ = [
     "sgd_blr",
     "vogn",
     "BLRState",
+    "FitReport",
+    "FitTrace",
+    "adaptive_decay",
+    "fit_report",
     "DiagonalGaussian",
     "FullGaussian",
     "GuideLayoutError",

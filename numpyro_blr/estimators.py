@@ -166,10 +166,12 @@ def _grad_and_loc_hessian(fn, params, names, forward_mode, scaled_blocks=()):
 def estimate(fn, params, layout, hessian="reparam", delta=False, forward_mode=False, point_hessian="autodiff"):
     """Evaluate the loss and the BLR's gradient statistics for every block of ``layout``.
 
-    Returns ``((loss, aux), grads, stats, points)`` where ``grads`` are the raw gradients of the
-    evaluated loss w.r.t. all parameters, ``stats`` maps each diagonal/full block's loc name to
-    :class:`BlockStats`, and ``points`` is a :class:`BlockStats` for all point-mass locs jointly
-    (``g`` raveled, ``h`` a dense matrix), or None when there are none. ``point_hessian``
+    Returns ``((loss, aux), grads, stats, points, joint)`` where ``grads`` are the raw gradients of
+    the evaluated loss w.r.t. all parameters, ``stats`` maps each diagonal/full block's loc name to
+    :class:`BlockStats`, ``points`` is a :class:`BlockStats` for all point-mass locs jointly
+    (``g`` raveled, ``h`` a dense matrix), or None when there are none, and ``joint`` is the dense
+    Hessian over all diagonal blocks' locs (raveled in layout order) when ``hessian="autodiff"``,
+    else None. ``point_hessian``
     ('autodiff' or 'none') is the curvature used for point masses, which have no sample.
     """
     if hessian not in HESSIANS:
@@ -241,6 +243,14 @@ def estimate(fn, params, layout, hessian="reparam", delta=False, forward_mode=Fa
                 h = reparam_hessian_full(scale, a.T)  # XLA drops it when only `whitened` is used
         stats[b.loc] = BlockStats(g, h, offset_of.get(b.loc), whitened)
 
+    joint = None
+    diag_names = [b.loc for b in gauss if b.kind == DIAGONAL]
+    if hessian == "autodiff" and diag_names:
+        # the Hessian across all diagonal blocks (the guide's family keeps only its diagonal): the
+        # mean step of a mean-field guide is preconditioned by it (numpyro_blr.optim)
+        idx = np.concatenate([np.arange(*offsets[n]) for n in diag_names])
+        joint = hess[np.ix_(idx, idx)]
+
     points = None
     if point_names:
         g = jnp.concatenate([grads[n].reshape(-1) for n in sorted(point_names)])
@@ -249,4 +259,4 @@ def estimate(fn, params, layout, hessian="reparam", delta=False, forward_mode=Fa
             idx = np.concatenate([np.arange(*offsets[n]) for n in sorted(point_names)])
             h = hess[np.ix_(idx, idx)]
         points = BlockStats(g, h)
-    return (loss, aux), grads, stats, points
+    return (loss, aux), grads, stats, points, joint

@@ -1,17 +1,31 @@
 r"""``BLR``: the Bayesian learning rule as an optimizer that NumPyro's ``SVI`` accepts.
 
 ``SVI(model, guide, nb.BLR(), Trace_ELBO())`` runs, for every Gaussian block of the guide
-(see :mod:`numpyro_blr.layout`), the natural-gradient step of Khan & Rue (2023, eq. 11) with the
-improved-BLR positivity correction (Lin, Schmidt & Khan 2020):
+(see :mod:`numpyro_blr.layout`), the natural-gradient step of Khan & Rue (2023, eq. 11):
 
 .. math::
-    S &\leftarrow S + \rho G + \tfrac{\rho^2}{2} G S^{-1} G, \quad G = \hat H - S, \\
+    S &\leftarrow k\big((1-\rho) S + \rho \hat H\big), \\
     \bar g &\leftarrow \beta \bar g + (1-\beta) \hat g, \\
     m &\leftarrow m - \rho\, S^{-1} \bar g / (1-\beta^t),
 
-where :math:`\hat g, \hat H` come from :mod:`numpyro_blr.estimators`. Point masses (``AutoDelta``,
-``AutoLaplaceApproximation``) carry their precision in the optimizer state (delta method).
-Parameters outside any Gaussian go to a ``fallback`` optax optimizer or are rejected by name.
+where :math:`\hat g, \hat H` come from :mod:`numpyro_blr.estimators` and :math:`k` keeps the
+precision positive definite (:mod:`numpyro_blr.rules.blr`: by default the plain step where the
+precision grows and the improved-BLR step of Lin, Schmidt & Khan 2020 where it shrinks).
+Robust defaults, for models nobody tuned the optimizer on:
+
+* the step size :class:`adaptive_decay` stays at :math:`\rho_0` while successive steps agree
+  (the fit is travelling) and decays like :math:`1/t` once they are Monte Carlo noise, so
+  curvature estimates taken far from the posterior (from NumPyro's random initialisation, on
+  unstandardised data) are forgotten geometrically rather than polynomially;
+* mean-field guides with the exact Hessian take their mean step with the dense precision across
+  their blocks (``_joint_mean_step``), a Newton step rather than a damped Jacobi iteration on a
+  correlated posterior; their family and fixed point are unchanged;
+* a non-finite step is skipped and halves :math:`\rho`; what went wrong is reported at the end
+  of the run (:mod:`numpyro_blr.report`).
+
+Point masses (``AutoDelta``, ``AutoLaplaceApproximation``) carry their precision in the optimizer
+state (delta method). Parameters outside any Gaussian go to a ``fallback`` optax optimizer or are
+rejected by name.
 """
 
 import functools
@@ -34,6 +48,7 @@ from numpyro_blr.rules.blr import (
     full_precision_update,
     full_scale_tril_update,
     momentum_update,
+    positivity_rule,
 )
 
 
@@ -57,23 +72,90 @@ def harmonic_decay(init_value=0.5, halving_steps=10):
     return schedule
 
 
+class adaptive_decay:  # noqa: N801 - used like a schedule function
+    r"""The default step size: :func:`harmonic_decay` on a clock that only counts noise-dominated steps.
+
+    :math:`\rho = \rho_0 / (1 + c/\tau)`, where the clock :math:`c` advances at each step by
+    :math:`\min(1, 2f)`, where :math:`f = \sum_j (-p_j)_+ / \sum_j |p_j|`, :math:`p_j = v_j v'_j` the
+    products of the coordinates of the whitened step :math:`v` (:math:`L^\top\hat g` for the mean,
+    :math:`\operatorname{diag}(L^\top \hat H L) - 1` for the precision) and of the previous one
+    :math:`v'`: the size-weighted fraction of coordinates whose sign changed. This is Kesten's rule (Kesten 1958;
+    multivariate: Delyon & Juditsky 1993): while the fit is still travelling, successive steps
+    point the same way (:math:`f \approx 0`) and :math:`\rho` stays at :math:`\rho_0`, so early
+    estimates taken far from the posterior are forgotten geometrically; once the steps are Monte
+    Carlo noise around the optimum, about half the signs change and :math:`\rho` decays like
+    :math:`\rho_0\tau/t`, which averages the noise away. A step with a non-finite loss, gradient
+    or update is skipped and halves :math:`\rho` (the clock jumps to :math:`2c + \tau`).
+    """
+
+    adaptive = True
+
+    def __init__(self, init_value=0.5, halving_steps=10):
+        self.init_value = _check_lr(init_value, "init_value")
+        self.halving_steps = _check_lr(halving_steps, "halving_steps")
+
+    def __call__(self, clock):
+        return self.init_value / (1.0 + clock / self.halving_steps)
+
+    def __repr__(self):
+        return f"adaptive_decay({self.init_value}, {self.halving_steps})"
+
+
+class FitTrace(NamedTuple):
+    r"""What a run carries for :func:`numpyro_blr.fit_report` (fixed-shape arrays, updated every step).
+
+    ``clock``          the adaptive step size's count of noise-dominated steps (:class:`adaptive_decay`);
+    ``direction``      the previous step's whitened direction (flat), for the sign test;
+    ``rho``            the step size of the last step;
+    ``loss_avg``       exponential average (weight 0.1) of the finite losses;
+    ``loss_var``       exponential average of their squared deviation from ``loss_avg``;
+    ``loss_best``      the lowest ``loss_avg`` so far;
+    ``loss_best_var``  ``loss_var`` at the step where ``loss_best`` was reached (the noise level a
+                       rise is measured against; the variance at the end includes the rise itself);
+    ``gradient_size``  per loc parameter, elementwise: exponential average (weight 0.2) of
+                       :math:`\log|u|`, :math:`u` the whitened mean gradient :math:`L^\top\hat g` (for
+                       a Gaussian posterior, the distance to the optimum in posterior sds);
+    ``gradient_last``  the last :math:`u`;
+    ``persistence``    exponential average (weight 0.05, from 1) of :math:`\operatorname{sign}(u_t u_{t-1})`:
+                       near 1 while the mean travels one way, near 0 once :math:`u` is noise;
+    ``halvings``       how many times the step size was halved after a non-finite step.
+    """
+
+    clock: jax.Array
+    direction: jax.Array
+    rho: jax.Array
+    loss_avg: jax.Array
+    loss_var: jax.Array
+    loss_best: jax.Array
+    loss_best_var: jax.Array
+    gradient_size: dict
+    gradient_last: dict
+    persistence: dict
+    halvings: jax.Array
+
+
 class BLRState(NamedTuple):
     """Optimizer state: fixed-shape arrays only, so ``SVI.run`` can ``lax.scan`` and resume exactly.
 
     ``params``            unconstrained guide parameters (what ``get_params`` returns);
     ``momentum``          heavy-ball average of the mean gradient, per loc;
     ``point_precision``   joint precision of all point-mass locs (delta method), ``(0, 0)`` if none;
+    ``mean_scale_tril``   for diagonal guides with the exact Hessian: Cholesky factor of the inverse
+                          of the dense precision that preconditions their mean step, ``(0, 0)`` if none;
     ``fallback_state``    the fallback optax optimizer's state;
     ``nonfinite``         per parameter, whether a non-finite gradient or update was ever met;
-    ``nonfinite_steps``   how many steps were skipped for that reason.
+    ``nonfinite_steps``   how many steps were skipped for that reason;
+    ``trace``             :class:`FitTrace`, the evidence for the end-of-run report.
     """
 
     params: dict
     momentum: dict
     point_precision: jax.Array
+    mean_scale_tril: jax.Array
     fallback_state: Any
     nonfinite: dict
     nonfinite_steps: jax.Array
+    trace: FitTrace
 
 
 def _check_lr(lr, name="lr"):
@@ -95,6 +177,42 @@ def _check_lr(lr, name="lr"):
     return float(lr)
 
 
+SCHEDULE_CHECK_STEPS = 1_000_000
+
+
+def _check_step_size(lr):
+    """The BLR's step size :math:`\rho`: in (0, 1] at every step. :math:`\rho = 1` replaces the natural
+    parameters by the new estimate (a Newton step, exact Bayes on a conjugate model); :math:`\rho > 1`
+    gives the old ones a negative weight and extrapolates past it, which the precision step cannot
+    keep stable. A schedule is checked over its first ``SCHEDULE_CHECK_STEPS`` steps, before any step
+    runs, so that it cannot turn negative, non-finite or above 1 in the middle of a run."""
+    lr = _check_lr(lr)
+    if not callable(lr):
+        if lr > 1.0:
+            raise ValueError(
+                f"lr={lr!r} is outside (0, 1]: the BLR's step size weighs the new estimate against the old "
+                "natural parameters, and lr > 1 gives the old ones a negative weight (unstable). Use lr <= 1 "
+                "(lr=1 is a full Newton step), or leave lr unset for the adaptive default."
+            )
+        return lr
+    steps = np.arange(SCHEDULE_CHECK_STEPS)
+    try:
+        values = np.asarray(jax.device_get(jax.jit(jax.vmap(lr))(jnp.asarray(steps))), dtype=float)
+    except Exception:  # noqa: BLE001 - a schedule written for scalars only: check a geometric grid
+        steps = np.unique(np.geomspace(1, SCHEDULE_CHECK_STEPS, 2000).astype(int) - 1)
+        values = np.array([float(lr(int(t))) for t in steps])
+    bad = ~np.isfinite(values) | (values <= 0) | (values > 1)
+    if np.any(bad):
+        first = int(np.argmax(bad))
+        raise ValueError(
+            f"the lr schedule gives {float(values[first])!r} at step {int(steps[first])}: the BLR's step size must stay "
+            "in (0, 1] at every step (checked over the first "
+            f"{SCHEDULE_CHECK_STEPS:,} steps). Clip the schedule, e.g. optax.schedules with an end value > 0, "
+            "or leave lr unset for the adaptive default."
+        )
+    return lr
+
+
 def _check_unit_interval(x, name):
     if isinstance(x, bool) or not isinstance(x, (int, float, np.floating, np.integer)) or not (0.0 <= x < 1.0):
         raise ValueError(f"{name} must be a float in [0, 1), got {x!r}.")
@@ -106,23 +224,13 @@ def _finite_or_zero(x):
     return jnp.where(jnp.all(jnp.isfinite(x)), x, jnp.zeros_like(x))
 
 
-def _report_nonfinite(flags, skipped):
-    names = sorted(k for k, v in flags.items() if bool(v))
-    warnings.warn(
-        f"nb.BLR skipped {skipped} step(s) because of a non-finite loss, gradient or update, for "
-        f"parameter(s) {names}; those steps kept the last finite values. Check the model's log density "
-        "at the current guide, lower lr, or use SVI.run(..., stable_update=True).",
-        RuntimeWarning,
-        stacklevel=4,  # _report_nonfinite <- BLR.get_params <- SVI.get_params <- the caller
-    )
-
-
 class BLR(_NumPyroOptim):
     r"""The Bayesian learning rule for Gaussian guides, as a NumPyro optimizer.
 
-    :param lr: step size :math:`\rho` (float > 0 or an optax schedule ``step -> rho``). Default:
-        :func:`harmonic_decay` ``0.5 / (1 + t/10)`` (see :meth:`default_lr` for sampled Hessians
-        on full-covariance guides).
+    :param lr: step size :math:`\rho` (float > 0, an optax schedule ``step -> rho``, or an
+        :class:`adaptive_decay`). Default: ``adaptive_decay(0.5, 10)``, :math:`0.5/(1 + c/10)` on a
+        clock :math:`c` that advances only while the steps are Monte Carlo noise (see
+        :meth:`default_lr` for sampled Hessians on full-covariance guides).
     :param hessian: how :math:`\mathbb{E}_q[\nabla^2\ell]` is estimated: ``"reparam"`` (Price/Stein,
         from the gradient w.r.t. the scale, with a same-noise baseline: two gradient passes),
         ``"price"`` (the plain one-pass Price estimator), ``"autodiff"`` (exact Hessian at the sample;
@@ -131,9 +239,13 @@ class BLR(_NumPyroOptim):
         otherwise; point masses always use ``"autodiff"`` (or ``"none"``).
     :param delta: delta method: evaluate gradient and Hessian at the mean instead of a sample.
     :param momentum: heavy-ball coefficient :math:`\beta \in [0, 1)` on the mean gradient.
-    :param improved: apply the improved-BLR correction (positive definite for any :math:`\hat H`
-        and :math:`\rho`). With ``False`` the plain BLR is used: exact for ``lr=1`` on quadratic
-        losses, but a non-positive-definite update is then skipped as non-finite.
+    :param improved: how the precision step stays positive definite
+        (:mod:`numpyro_blr.rules.blr`): ``"one-sided"`` (default: the plain step where the precision
+        grows, the improved-BLR step where it shrinks: positive definite for any :math:`\hat H`
+        and :math:`\rho`, and no over-shoot when the curvature is far above the initial
+        precision), ``True`` (the improved BLR of Lin, Schmidt & Khan 2020 in both directions) or
+        ``False`` (the plain BLR: exact for ``lr=1`` on quadratic losses, but a
+        non-positive-definite update is then skipped as non-finite).
     :param init_precision: initial precision of point-mass locs (delta method), a float > 0.
     :param fallback: an ``optax.GradientTransformation`` for parameters that are not part of a
         Gaussian (a model's ``numpyro.param``...). Without it such parameters raise an error.
@@ -154,14 +266,14 @@ class BLR(_NumPyroOptim):
         hessian: Optional[str] = None,
         delta: bool = False,
         momentum: float = 0.0,
-        improved: bool = True,
+        improved: Union[bool, str] = "one-sided",
         init_precision: float = 1.0,
         fallback=None,
         guide=None,
         prefix: Optional[str] = None,
         seed: int = 0,
     ):
-        self.lr = None if lr is None else _check_lr(lr)
+        self.lr = None if lr is None else _check_step_size(lr)
         if hessian is not None and hessian not in HESSIANS:
             raise ValueError(f"hessian must be one of {HESSIANS} or None, got {hessian!r}.")
         if delta and hessian in ("reparam", "price"):
@@ -173,11 +285,12 @@ class BLR(_NumPyroOptim):
         self.point_hessian = "none" if hessian == "none" else "autodiff"
         self.delta = bool(delta)
         self.momentum = _check_unit_interval(momentum, "momentum")
-        self.improved = bool(improved)
+        self.improved = positivity_rule(improved)
         self.init_precision = _check_lr(init_precision, "init_precision")
         if fallback is not None and not (hasattr(fallback, "init") and hasattr(fallback, "update")):
             raise ValueError(f"fallback must be an optax GradientTransformation, got {type(fallback).__name__}.")
         self.fallback = fallback
+        self.guide = guide
         self.prefix = prefix or getattr(guide, "prefix", None) or "auto"
         self.scale_constraint = getattr(guide, "scale_constraint", None)
         self.scale_tril_constraint = getattr(guide, "scale_tril_constraint", None)
@@ -188,7 +301,8 @@ class BLR(_NumPyroOptim):
         if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
             raise ValueError(f"seed must be an int, got {seed!r}.")
         self.seed = int(seed)
-        self._reported_skips = 0  # host-side only: how many skipped steps get_params already reported
+        # host-side only: what get_params already warned about in this run, and at which step
+        self._reported, self._reported_step = set(), 0
 
     # -- structure -------------------------------------------------------------------------
     def layout(self, params):
@@ -222,31 +336,85 @@ class BLR(_NumPyroOptim):
         return sum(int(np.prod(params[b.loc].shape)) for b in layout.blocks if b.kind == POINT)
 
     # -- the _NumPyroOptim protocol --------------------------------------------------------
+    def _joint_diagonal(self, params, layout):
+        """Diagonal blocks whose mean step is preconditioned by the dense Hessian across them: with the
+        exact Hessian the estimator computes it anyway, and the mean step of a mean-field guide on a
+        correlated posterior is then a Newton step instead of a damped Jacobi iteration."""
+        if self.hessian_for(params, layout) != "autodiff":
+            return ()
+        return tuple(b for b in layout.blocks if b.kind == DIAGONAL)
+
+    def _direction_size(self, params, layout):
+        """Length of the flat whitened step direction that the adaptive step size compares."""
+        has_h = self.hessian_for(params, layout) != "none"
+        size = 0
+        for b in layout.blocks:
+            n = int(np.prod(params[b.loc].shape))
+            if b.kind == EXPFAM:
+                size += sum(int(np.prod(params[k].shape)) for k in b.names)
+            elif b.kind == POINT:
+                size += n
+            else:
+                size += n * (2 if has_h else 1)
+        return size
+
     def init(self, params):
         layout = self.layout(params)
         dp = self._point_dim(params, layout) if self.point_hessian == "autodiff" else 0
         dtype = jnp.result_type(*[params[b.loc] for b in layout.blocks])
+        joint = self._joint_diagonal(params, layout)
+        if joint:  # start from the guide's own (diagonal) covariance
+            scales = jnp.concatenate([b.transform(params[b.scale]).reshape(-1) for b in joint])
+            mean_tril = jnp.diag(scales.astype(dtype))
+        else:
+            mean_tril = jnp.zeros((0, 0), dtype)
         other = {k: params[k] for k in layout.other}
+        locs = [b.loc for b in layout.blocks if b.kind != EXPFAM]
+        zero = jnp.zeros((), dtype)
+        trace = FitTrace(
+            clock=zero,
+            direction=jnp.zeros((self._direction_size(params, layout),), dtype),
+            rho=zero,
+            loss_avg=jnp.full((), jnp.nan, dtype),
+            loss_var=zero,
+            loss_best=jnp.full((), jnp.inf, dtype),
+            loss_best_var=zero,
+            gradient_size={n: jnp.zeros_like(params[n]) for n in locs},
+            gradient_last={n: jnp.zeros_like(params[n]) for n in locs},
+            persistence={n: jnp.ones_like(params[n]) for n in locs},
+            halvings=jnp.array(0, jnp.int32),
+        )
         state = BLRState(
             params=dict(params),
             momentum={b.loc: jnp.zeros_like(params[b.loc]) for b in layout.blocks},
             point_precision=self.init_precision * jnp.eye(dp, dtype=dtype),
+            mean_scale_tril=mean_tril,
             fallback_state=self.fallback.init(other) if self.fallback is not None else (),
             nonfinite={k: jnp.array(False) for k in params},
             nonfinite_steps=jnp.array(0, dtype=jnp.int32),
+            trace=trace,
         )
         return jnp.array(0), state
 
     def get_params(self, state):
         """The guide's unconstrained parameters. Outside ``jit`` (``SVI.run`` calls this once at the
-        end of a run), warns if steps were skipped because of non-finite values since the last
-        warning, and names the parameters concerned."""
-        s = state[1]
+        end of a run), warns about what :func:`numpyro_blr.fit_report` finds wrong (skipped steps,
+        divergence, a mean still travelling, a collapsed variance), naming the parameters concerned
+        and the change that fixes it; each problem once per run, however often this is called."""
+        i, s = state
         if not isinstance(s.nonfinite_steps, jax.core.Tracer):
-            skipped = int(s.nonfinite_steps)
-            if skipped and skipped != self._reported_skips:
-                _report_nonfinite(s.nonfinite, skipped)
-            self._reported_skips = skipped
+            step = int(i)
+            if step < self._reported_step:  # a new run: report afresh
+                self._reported = set()
+            if step:
+                from numpyro_blr.report import fit_report  # local: report imports this module
+
+                report = fit_report((i, s), optimizer=self)
+                for key, message in zip(report.problem_keys, report.problems):
+                    if key not in self._reported:
+                        warnings.warn(message, RuntimeWarning, stacklevel=3)  # <- BLR.get_params <- SVI.get_params
+                        self._reported.add(key)
+            self._reported_step = step
         return s.params
 
     def update(self, g, state, value=None):
@@ -265,41 +433,60 @@ class BLR(_NumPyroOptim):
     def default_lr(self, params, layout):
         """The schedule used when ``lr`` is not given.
 
-        ``harmonic_decay(0.5, 10)``, except with a sampled Hessian (``"price"``, ``"reparam"``) on a
+        ``adaptive_decay(0.5, 10)``, except with a sampled Hessian (``"price"``, ``"reparam"``) on a
         full-covariance block of dimension ``D``: a one-sample estimate of a ``D x D`` Hessian has
-        noise of order ``D`` times the signal, so there the schedule starts at ``min(0.5, 1/D)``
-        and halves over 100 steps.
+        noise of order ``D`` times the signal, so there it starts at ``min(0.5, 1/D)`` and halves
+        over 100 noise-dominated steps.
         """
         full = [params[b.loc].shape[-1] for b in layout.blocks if b.kind == FULL]
         if full and self.hessian_for(params, layout) in ("price", "reparam"):
-            return harmonic_decay(min(0.5, 1.0 / max(full)), 100)
-        return harmonic_decay(0.5, 10)
+            return adaptive_decay(min(0.5, 1.0 / max(full)), 100)
+        return adaptive_decay(0.5, 10)
 
-    def step_size(self, i, params, layout):
-        """:math:`\\rho` at step ``i`` (counted from 0) for a guide with these ``params``."""
-        lr = self.lr if self.lr is not None else self.default_lr(params, layout)
+    def schedule(self, params, layout):
+        return self.lr if self.lr is not None else self.default_lr(params, layout)
+
+    def step_size(self, i, params, layout, clock=None):
+        """:math:`\\rho` at step ``i`` (counted from 0); an :class:`adaptive_decay` reads ``clock`` instead."""
+        lr = self.schedule(params, layout)
+        if getattr(lr, "adaptive", False):
+            return lr(i if clock is None else clock)
         return lr(i) if callable(lr) else lr
 
     def _step(self, fn, state, forward_mode, stable):
         i, s = state
         params = s.params
         layout = self.layout(params)
-        (loss, aux), grads, stats, points = estimate(
-            fn, params, layout, self.hessian_for(params, layout), self.delta, forward_mode, self.point_hessian
+        hessian = self.hessian_for(params, layout)
+        (loss, aux), grads, stats, points, joint_hess = estimate(
+            fn, params, layout, hessian, self.delta, forward_mode, self.point_hessian
         )
         t = i + 1
-        lr = jnp.asarray(self.step_size(i, params, layout), dtype=jnp.result_type(float))
+        schedule = self.schedule(params, layout)
+        adaptive = getattr(schedule, "adaptive", False)
+        dtype = s.trace.clock.dtype
+        lr = jnp.asarray(self.step_size(i, params, layout, s.trace.clock), dtype=dtype)
         new_params, new_mom = dict(params), dict(s.momentum)
         checked = {}  # parameter name -> arrays that must be finite for its update to be valid
+        direction = {}  # block handle -> whitened step direction, for the adaptive step size
+        whitened_grad = {}  # loc -> whitened mean gradient L^T g of this step (loc-shaped)
+
+        joint = self._joint_diagonal(params, layout)
+        new_mean_tril = s.mean_scale_tril
+        if joint:
+            new_mean_tril = self._joint_mean_step(
+                joint, params, stats, joint_hess, s, lr, t, new_params, new_mom, direction, whitened_grad
+            )
 
         for j, b in enumerate(layout.blocks):
             if b.kind == EXPFAM:  # ExpFamilyGuide's Gamma/Beta/Dirichlet/Bernoulli/Categorical sites
                 key = jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(self.seed), i), j)
                 new = expfam_blocks.update_block(
-                    b, fn, params, grads, lr, self.improved, key,
+                    b, fn, params, grads, lr, self.improved != "plain", key,
                     self.max_enumerate, self.score_samples,
                 )
                 new_params.update(new)
+                direction[b.loc] = jnp.concatenate([(new[n] - params[n]).reshape(-1) for n in b.names])
                 for n in b.names:
                     checked[n] = (grads[n], new[n])
                 continue
@@ -310,27 +497,39 @@ class BLR(_NumPyroOptim):
             g = st.g
             if b.kind == DIAGONAL:
                 scale = b.transform(params[b.scale])
-                if st.offset is not None:
-                    g = g - _finite_or_zero(st.offset / scale**2)
-                new_mom[b.loc], mbar = momentum_update(s.momentum[b.loc], g, self.momentum, t)
-                if st.h is None:
-                    new_params[b.loc] = m - lr * mbar
-                else:
+                if st.h is not None:
                     prec = diagonal_precision_update(scale**-2, st.h, lr, self.improved)
-                    new_params[b.loc] = m - lr * mbar / prec
                     new_params[b.scale] = b.transform.inv(lax.rsqrt(prec))
+                    curvature = [(scale**2 * st.h - 1.0).reshape(-1)]
+                else:
+                    prec, curvature = scale**-2, []
+                if b in joint:  # mean already stepped with the joint preconditioner
+                    direction[b.loc] = jnp.concatenate([direction[b.loc]] + curvature)
+                else:
+                    if st.offset is not None:
+                        g = g - _finite_or_zero(st.offset / scale**2)
+                    new_mom[b.loc], mbar = momentum_update(s.momentum[b.loc], g, self.momentum, t)
+                    new_params[b.loc] = m - lr * (mbar if st.h is None else mbar / prec)
+                    u = scale * g
+                    whitened_grad[b.loc] = u
+                    direction[b.loc] = jnp.concatenate([u.reshape(-1)] + curvature)
             else:  # FULL
                 tril = b.transform(params[b.scale])
                 if st.offset is not None:  # S (z - m) = L^-T L^-1 (z - m)
                     whitened = solve_triangular(tril, st.offset, lower=True)
                     g = g - _finite_or_zero(solve_triangular(tril.T, whitened, lower=False))
                 new_mom[b.loc], mbar = momentum_update(s.momentum[b.loc], g, self.momentum, t)
+                u = tril.T @ g
+                whitened_grad[b.loc] = u
                 if st.h is None:
                     new_params[b.loc] = m - lr * mbar
+                    direction[b.loc] = u
                 else:
-                    new_tril = full_scale_tril_update(tril, st.h, lr, self.improved, st.whitened)
+                    w = st.whitened if st.whitened is not None else tril.T @ st.h @ tril
+                    new_tril = full_scale_tril_update(tril, None, lr, self.improved, w)
                     new_params[b.loc] = m - lr * (new_tril @ (new_tril.T @ mbar))
                     new_params[b.scale] = b.transform.inv(new_tril)
+                    direction[b.loc] = jnp.concatenate([u, jnp.diagonal(w) - 1.0])
             checked[b.loc] = (st.g, new_params[b.loc])
             if st.h is not None:  # L^T H L when the estimator gave it (H itself is then not formed)
                 checked[b.scale] = (st.h if st.whitened is None else st.whitened, new_params[b.scale])
@@ -342,20 +541,23 @@ class BLR(_NumPyroOptim):
             flat_mom = jnp.concatenate([s.momentum[n].reshape(-1) for n in names])
             flat_mom, mbar = momentum_update(flat_mom, points.g, self.momentum, t)
             if points.h is None:
-                step = mbar
+                step, u = mbar, points.g
             else:
                 prec = s.point_precision
-                cov = jax.scipy.linalg.cho_solve((jnp.linalg.cholesky(prec), True), jnp.eye(prec.shape[0], dtype=prec.dtype))
-                new_point_prec = full_precision_update(prec, cov, points.h, lr, self.improved)
+                chol = jnp.linalg.cholesky(prec)
+                new_point_prec = full_precision_update(prec, None, points.h, lr, self.improved)
                 step = jax.scipy.linalg.cho_solve((jnp.linalg.cholesky(new_point_prec), True), mbar)
+                u = solve_triangular(chol, points.g, lower=True)
             flat_new = flat_m - lr * step
             start = 0
             for n in names:
                 size = params[n].size
                 new_params[n] = flat_new[start : start + size].reshape(params[n].shape)
                 new_mom[n] = flat_mom[start : start + size].reshape(params[n].shape)
+                whitened_grad[n] = u[start : start + size].reshape(params[n].shape)
                 checked[n] = (grads[n], new_params[n], new_point_prec)
                 start += size
+            direction["__points__"] = u
 
         new_fb = s.fallback_state
         if layout.other:
@@ -373,7 +575,9 @@ class BLR(_NumPyroOptim):
         loss_ok = jnp.isfinite(loss)
         finite = {k: all_finite(arrs) for k, arrs in checked.items()}
         ok = loss_ok & functools.reduce(jnp.logical_and, finite.values(), jnp.array(True))
-        new_state = BLRState(new_params, new_mom, new_point_prec, new_fb, s.nonfinite, s.nonfinite_steps)
+
+        trace = self._next_trace(s.trace, i, ok, loss, lr, direction, whitened_grad, schedule if adaptive else None)
+        new_state = BLRState(new_params, new_mom, new_point_prec, new_mean_tril, new_fb, s.nonfinite, s.nonfinite_steps, trace)
         # Selections, not lax.cond: a conditional inside SVI.run's scan costs about 5 us per step
         # on CPU (as much as a whole Adam step on a small model), a select is fused for free.
         keep = lambda new, old: jax.tree_util.tree_map(lambda a, b: jnp.where(ok, a, b), new, old)  # noqa: E731
@@ -384,8 +588,91 @@ class BLR(_NumPyroOptim):
 
         bad = {k: ~finite.get(k, loss_ok) | ~loss_ok for k in params}
         flags = {k: s.nonfinite[k] | (bad[k] & ~ok) for k in params}
-        kept = BLRState(params, s.momentum, s.point_precision, s.fallback_state, flags, s.nonfinite_steps + 1)
-        return (loss, aux), (t, keep(new_state._replace(nonfinite=flags), kept))
+        kept = s._replace(nonfinite=flags, nonfinite_steps=s.nonfinite_steps + 1, trace=trace)
+        new_state = new_state._replace(nonfinite=flags)
+        return (loss, aux), (t, keep(new_state, kept)._replace(trace=trace))
+
+    def _joint_mean_step(self, joint, params, stats, hess, s, lr, t, new_params, new_mom, direction, whitened_grad):
+        r"""Mean step of the diagonal blocks preconditioned by a dense precision :math:`P` across them.
+
+        :math:`P` (stored as the Cholesky factor of :math:`P^{-1}`) takes the same BLR step as a
+        full-covariance guide's precision, from the exact Hessian :math:`\hat H` across the blocks,
+        and the means move by :math:`-\rho P^{-1}\bar g`. The fixed point is unchanged
+        (:math:`\mathbb{E}_q[\nabla\ell] = 0`, the mean-field optimum's mean condition), while each
+        step is a Newton step rather than a damped Jacobi iteration. The control variate is
+        :math:`\hat g - P(z - m)`, zero-mean because :math:`P` does not depend on the sample.
+        Returns the new factor; writes the new means and the step directions into the dicts given.
+        """
+        sizes = [params[b.loc].size for b in joint]
+        g = jnp.concatenate([stats[b.loc].g.reshape(-1) for b in joint])
+        tril = s.mean_scale_tril
+        offsets = [stats[b.loc].offset for b in joint]
+        if all(o is not None for o in offsets):
+            offset = jnp.concatenate([o.reshape(-1) for o in offsets])
+            g = g - _finite_or_zero(solve_triangular(tril.T, solve_triangular(tril, offset, lower=True), lower=False))
+        mom = jnp.concatenate([s.momentum[b.loc].reshape(-1) for b in joint])
+        mom, mbar = momentum_update(mom, g, self.momentum, t)
+        w = tril.T @ hess @ tril
+        new_tril = full_scale_tril_update(tril, None, lr, self.improved, 0.5 * (w + w.T))
+        step = new_tril @ (new_tril.T @ mbar)
+        u = tril.T @ g
+        start = 0
+        for b, size in zip(joint, sizes):
+            shape = params[b.loc].shape
+            new_params[b.loc] = params[b.loc] - lr * step[start : start + size].reshape(shape)
+            new_mom[b.loc] = mom[start : start + size].reshape(shape)
+            whitened_grad[b.loc] = u[start : start + size].reshape(shape)
+            direction[b.loc] = u[start : start + size]
+            start += size
+        return new_tril
+
+    @staticmethod
+    def _next_trace(trace, i, ok, loss, lr, direction, whitened_grad, schedule):
+        """The run's evidence after this step; with the adaptive step size, its clock too."""
+        v = jnp.concatenate([direction[k] for k in sorted(direction)]) if direction else trace.direction
+        v = v.astype(trace.direction.dtype)
+        clock, halvings = trace.clock, trace.halvings
+        if schedule is not None:
+            # the fraction of the products of successive coordinates that are negative, weighted by
+            # their size: one coordinate still travelling (a scale whose precision is far too high)
+            # outweighs many that are noise, and a small bias in noisy coordinates only slows the clock
+            products = v * trace.direction
+            total = jnp.sum(jnp.abs(products))
+            changed = jnp.where(total > 0, jnp.sum(jnp.maximum(-products, 0.0)) / jnp.where(total > 0, total, 1.0), 1.0)
+            advance = jnp.where(i > 0, jnp.minimum(1.0, 2.0 * changed), 0.0)
+            clock = jnp.where(ok, clock + advance, 2.0 * clock + schedule.halving_steps)
+            halvings = halvings + jnp.where(ok, 0, 1).astype(halvings.dtype)
+        first = jnp.isnan(trace.loss_avg)
+        finite_loss = jnp.isfinite(loss)
+        loss = jnp.asarray(loss, trace.loss_avg.dtype)
+        avg = jnp.where(first, loss, 0.9 * trace.loss_avg + 0.1 * loss)
+        var = jnp.where(first, 0.0, 0.9 * trace.loss_var + 0.1 * (loss - trace.loss_avg) ** 2)
+        avg = jnp.where(finite_loss, avg, trace.loss_avg)
+        var = jnp.where(finite_loss, var, trace.loss_var)
+        # geometric average (weight 0.2) of |u|: forgets the huge gradients of the first steps in tens
+        # of steps, where an average of u^2 would remember them for hundreds; and how persistently
+        # the sign of u repeats (weight 0.05; 1 at the start: a run is not converged until shown)
+        sizes, persistence = {}, {}
+        for k, u in whitened_grad.items():
+            log_u = jnp.log(jnp.abs(u) + jnp.finfo(u.dtype).tiny)
+            sizes[k] = jnp.where(i > 0, jnp.where(ok, 0.8 * trace.gradient_size[k] + 0.2 * log_u, trace.gradient_size[k]), log_u)
+            same = jnp.sign(u * trace.gradient_last[k])
+            persistence[k] = jnp.where(ok & (i > 0), 0.95 * trace.persistence[k] + 0.05 * same, trace.persistence[k])
+        last = {k: jnp.where(ok, whitened_grad[k], trace.gradient_last[k]) for k in whitened_grad}
+        new_best = finite_loss & (avg < trace.loss_best)
+        return FitTrace(
+            clock=clock,
+            direction=jnp.where(ok, v, trace.direction),
+            rho=lr,
+            loss_avg=avg,
+            loss_var=var,
+            loss_best=jnp.where(new_best, avg, trace.loss_best),
+            loss_best_var=jnp.where(new_best, var, trace.loss_best_var),
+            gradient_size=sizes,
+            gradient_last=last,
+            persistence=persistence,
+            halvings=halvings,
+        )
 
 
 def nonfinite_parameters(state):

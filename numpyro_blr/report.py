@@ -1,0 +1,177 @@
+r"""What a :class:`~numpyro_blr.BLR` run says about itself: :func:`fit_report`.
+
+Every BLR step updates a :class:`~numpyro_blr.optim.FitTrace` in the optimizer state (fixed-shape
+arrays, no host round-trip). At the end of ``SVI.run`` (or on the caller's ``svi.get_params``)
+``BLR.get_params`` turns it into a report and warns once about each problem it finds, naming the
+parameters (and, with the guide, the sites) concerned and the one change that fixes it:
+
+* **skipped steps**: a non-finite loss, gradient or update; the step kept the last finite values
+  and, with the default adaptive step size, halved :math:`\rho`;
+* **divergence**: the running average of the loss ended far above its best value (by more than
+  ``DIVERGENCE_NATS`` nats and ``DIVERGENCE_SDS`` times the loss's noise sd when the best was
+  reached);
+* **not converged**: some mean's whitened gradient :math:`u = L^\top\hat g` (the distance to the
+  optimum in posterior standard deviations, for a Gaussian posterior) keeps its sign from step
+  to step (``FitTrace.persistence`` above ``UNCONVERGED_PERSISTENCE``; Monte Carlo noise gives
+  0 +- 0.16) while its geometric average is above ``UNCONVERGED_SDS``;
+* **collapsed variance**: a standard deviation at the rounding level of its mean
+  (below ``COLLAPSE_EPS`` machine epsilons times :math:`\max(1, |m|)`).
+"""
+
+from typing import NamedTuple
+
+import numpy as np
+
+from numpyro_blr.layout import DIAGONAL, FULL
+
+DIVERGENCE_NATS = 10.0
+DIVERGENCE_SDS = 6.0
+UNCONVERGED_SDS = 1.0
+UNCONVERGED_PERSISTENCE = 0.7
+COLLAPSE_EPS = 10.0
+MIN_STEPS = 10  # no verdict on convergence before this many steps
+
+
+class FitReport(NamedTuple):
+    """The evidence of one run and the problems found in it (``problems``: messages, empty if none)."""
+
+    steps: int
+    skipped_steps: int
+    nonfinite_parameters: list
+    step_size: float
+    halvings: int
+    loss_average: float
+    loss_best: float
+    loss_sd: float
+    diverged: bool
+    unconverged: dict  # parameter or site -> largest whitened gradient (posterior sds)
+    collapsed: list  # scale parameters at the rounding level of their means
+    problems: list
+    problem_keys: list  # one hashable key per problem (its kind and the names concerned), for warning once
+
+    def __str__(self):
+        lines = [
+            f"nb.BLR fit: {self.steps} steps, step size now {self.step_size:.3g}, loss average {self.loss_average:.6g} "
+            f"(best {self.loss_best:.6g}, noise sd {self.loss_sd:.3g}), {self.skipped_steps} skipped step(s)"
+        ]
+        lines += [f"  - {p}" for p in self.problems] or ["  no problem found"]
+        return "\n".join(lines)
+
+
+def _opt_state(obj):
+    """``(step, BLRState)`` from an SVIRunResult, an SVIState or the optimizer state itself."""
+    obj = getattr(obj, "state", obj)
+    obj = getattr(obj, "optim_state", obj)
+    if not (isinstance(obj, tuple) and len(obj) == 2 and hasattr(obj[1], "trace")):
+        raise TypeError(
+            "fit_report expects the result of SVI.run with nb.BLR (svi_result), its .state, or the BLR "
+            f"optimizer state; got {type(obj).__name__}."
+        )
+    return obj
+
+
+def _by_site(name, values, guide):
+    """Split a per-coordinate array of ``auto_loc`` into the guide's sites when the guide can unpack it."""
+    unpack = getattr(guide, "_unpack_latent", None)
+    if unpack is None or values.ndim != 1:
+        return {name: values}
+    try:
+        sites = unpack(values)
+    except Exception:  # noqa: BLE001 - an uninitialised or foreign guide: report by parameter
+        return {name: values}
+    return {k: np.asarray(v) for k, v in sites.items()}
+
+
+def fit_report(result, optimizer=None, guide=None):
+    """The :class:`FitReport` of a BLR run.
+
+    :param result: ``svi_result`` (from ``SVI.run``), ``svi_state`` or the optimizer's state.
+    :param optimizer: the :class:`~numpyro_blr.BLR` instance (to read the guide's blocks with its
+        prefix and constraints); default ``nb.BLR()``'s.
+    :param guide: the guide, to name sites inside ``AutoMultivariateNormal``/``AutoDiagonalNormal``'s
+        single vector.
+    """
+    from numpyro_blr.optim import BLR  # local: optim imports this module lazily
+
+    step, s = _opt_state(result)
+    optimizer = optimizer or BLR()
+    guide = guide if guide is not None else getattr(optimizer, "guide", None)
+    tr = s.trace
+    steps = int(step)
+    skipped = int(s.nonfinite_steps)
+    bad_params = sorted(k for k, v in s.nonfinite.items() if bool(v))
+    rho, halvings = float(tr.rho), int(tr.halvings)
+    avg, best, sd = float(tr.loss_avg), float(tr.loss_best), float(np.sqrt(float(tr.loss_var)))
+    best_sd = float(np.sqrt(float(tr.loss_best_var)))
+    problems, keys = [], []
+
+    if skipped:
+        damped = f", and the step size was halved {halvings} time(s), to {rho:.3g}" if halvings else ""
+        problems.append(
+            f"nb.BLR skipped {skipped} step(s) because of a non-finite loss, gradient or update, for "
+            f"parameter(s) {bad_params}; those steps kept the last finite values{damped}. Check the model's "
+            "log density at the current guide (a scale or rate that reaches 0, an overflowing exp), pass a "
+            "smaller lr, or use SVI.run(..., stable_update=True)."
+        )
+        keys.append(("skipped", skipped))
+
+    diverged = bool(np.isfinite(avg) and np.isfinite(best) and avg - best > max(DIVERGENCE_NATS, DIVERGENCE_SDS * best_sd))
+    if not np.isfinite(avg):
+        diverged = steps > 0
+    if diverged:
+        if getattr(optimizer, "lr", None) is not None:
+            fix = f"Pass a smaller lr (this run used {optimizer.lr!r}), or leave lr unset for the adaptive default."
+        else:
+            fix = (
+                "Pass hessian='reparam' (its curvature estimate does not use second derivatives at a single "
+                "sample, which can explode on log-scale parameters)."
+            )
+        problems.append(
+            f"nb.BLR diverged: the average loss ended at {avg:.6g}, {avg - best:.3g} above its best value "
+            f"{best:.6g} in this run. {fix}"
+        )
+        keys.append(("diverged",))
+
+    unconverged = {}
+    for name, size in tr.gradient_size.items():
+        sds = np.exp(np.asarray(size, dtype=float))  # geometric average of |L^T g|
+        travelling = np.where(np.asarray(tr.persistence[name], dtype=float) > UNCONVERGED_PERSISTENCE, sds, 0.0)
+        for site, v in _by_site(name, travelling, guide).items():
+            worst = float(np.max(v)) if np.size(v) else 0.0
+            if not np.isfinite(worst) or worst > UNCONVERGED_SDS:
+                unconverged[site] = worst
+    if unconverged and not diverged and steps >= MIN_STEPS:
+        listed = ", ".join(f"{k} ({v:.3g} sd)" for k, v in sorted(unconverged.items(), key=lambda kv: -kv[1]))
+        problems.append(
+            f"nb.BLR has not converged after {steps} steps: the means of {listed} are still that many "
+            "posterior standard deviations from where the expected gradient vanishes. Continue the run "
+            "(svi.run(key, steps, ..., init_state=svi_result.state)); if this persists with a mean-field "
+            "guide (AutoNormal) on a correlated posterior, use AutoMultivariateNormal."
+        )
+        keys.append(("unconverged",) + tuple(sorted(unconverged)))
+
+    collapsed = []
+    try:
+        layout = optimizer.layout(s.params)
+    except Exception:  # noqa: BLE001 - the state was made by another optimizer configuration
+        layout = None
+    for b in getattr(layout, "blocks", ()):
+        if b.kind not in (DIAGONAL, FULL):
+            continue
+        m = np.asarray(s.params[b.loc])
+        scale = np.asarray(b.transform(s.params[b.scale]))
+        marginal_sd = scale if b.kind == DIAGONAL else np.sqrt(np.sum(scale**2, axis=-1))
+        eps = np.finfo(m.dtype).eps
+        small = marginal_sd < COLLAPSE_EPS * eps * np.maximum(1.0, np.abs(m))
+        if np.any(small):
+            collapsed.append(b.scale)
+    if collapsed and not diverged:
+        problems.append(
+            f"nb.BLR: the guide's standard deviation collapsed to the rounding level of the mean in {collapsed}: "
+            "the posterior there is degenerate (a hierarchical scale going to 0, a flat direction with a "
+            "hard constraint) or the precision step over-shot. Reparameterise the site (LocScaleReparam "
+            "for a hierarchical scale) or pass a smaller lr."
+        )
+        keys.append(("collapsed",) + tuple(collapsed))
+
+    return FitReport(steps, skipped, bad_params, rho, halvings, avg, best, sd, diverged, unconverged, collapsed, problems, keys)

@@ -1,0 +1,184 @@
+"""The default ``nb.BLR()`` on models nobody tuned it on, and what it says when a fit goes wrong.
+
+Oracles are closed forms: the Student-t posterior of a linear regression with flat priors, the
+mean-field optimum of a Gaussian posterior (mean = posterior mean, precision = diag of the
+posterior precision). Each failure mode of the end-of-run report has a model built to trigger it.
+"""
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import numpyro
+import numpyro.distributions as dist
+import optax
+import pytest
+from numpyro.distributions import constraints
+from numpyro.infer import SVI, Trace_ELBO, init_to_value
+from numpyro.infer.autoguide import AutoMultivariateNormal, AutoNormal
+
+import numpyro_blr as nb
+
+
+def flat_regression(x, y):
+    """posteriordb's earnings model: flat priors on the coefficients and on sigma > 0."""
+    beta = numpyro.sample("beta", dist.ImproperUniform(constraints.real, (), event_shape=(2,)))
+    sigma = numpyro.sample("sigma", dist.ImproperUniform(constraints.positive, (), event_shape=()))
+    numpyro.sample("y", dist.Normal(beta[0] + beta[1] * x, sigma), obs=y)
+
+
+@pytest.fixture(scope="module")
+def uncentred_data():
+    """A predictor like a height in mm shifted by 1e4 (coefficient correlation ~ -0.99999)."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(66.0, 4.0, size=200) * 25.4 + 1e4
+    y = 9.0 + 0.0023 * (x - 1e4) / 25.4 + 0.9 * rng.normal(size=200)
+    return x, y
+
+
+def t_posterior(x, y):
+    """Exact marginal posterior of beta: multivariate t, nu = N - 3, scale RSS/nu (X'X)^-1."""
+    X = np.stack([np.ones_like(x), x], 1)
+    xtx = X.T @ X
+    bhat = np.linalg.solve(xtx, X.T @ y)
+    nu = len(y) - 3
+    s2 = np.sum((y - X @ bhat) ** 2) / nu
+    return bhat, np.sqrt(nu / (nu - 2) * s2 * np.diag(np.linalg.inv(xtx)))
+
+
+def _run(model, guide, opt, steps, *args):
+    svi = SVI(model, guide, opt, Trace_ELBO())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = svi.run(jax.random.PRNGKey(0), steps, *args, progress_bar=False)
+    return result, [str(w.message) for w in caught if "nb.BLR" in str(w.message)]
+
+
+@pytest.mark.parametrize("x64", [True, False], ids=["float64", "float32"])
+def test_default_on_uncentred_predictor_matches_exact_posterior(uncentred_data, x64):
+    """From NumPyro's random initialisation the first curvature estimates are ~1e10 times the
+    posterior's; the default must still reach the exact mean (within 0.1 sd) and sd (0.9-1.1x)."""
+    x, y = uncentred_data
+    mean, sd = t_posterior(x, y)
+    with jax.enable_x64(x64):
+        guide = AutoMultivariateNormal(flat_regression)
+        result, messages = _run(flat_regression, guide, nb.BLR(), 500, jnp.asarray(x), jnp.asarray(y))
+        post = guide.get_posterior(result.params)
+        fit_mean = np.asarray(post.loc[:2], np.float64)
+        fit_sd = np.sqrt(np.sum(np.asarray(post.scale_tril, np.float64) ** 2, -1))[:2]
+    # The Gaussian VI optimum differs from the t marginal by O(1/N) = 0.5% in the sds.
+    assert np.all(np.abs(fit_mean - mean) / sd < 0.1), (fit_mean - mean) / sd
+    assert np.all((fit_sd / sd > 0.9) & (fit_sd / sd < 1.1)), fit_sd / sd
+    assert messages == []
+
+
+def test_unfinished_run_says_so_and_names_the_site(uncentred_data):
+    x, y = uncentred_data
+    with jax.enable_x64(True):
+        result, messages = _run(flat_regression, AutoNormal(flat_regression), nb.BLR(), 12, jnp.asarray(x), jnp.asarray(y))
+    assert any("has not converged after 12 steps" in m and "beta_auto_loc" in m and "init_state" in m for m in messages), messages
+    report = nb.fit_report(result)
+    assert "beta_auto_loc" in report.unconverged and not report.diverged
+
+
+def test_report_names_sites_inside_a_multivariate_guide(uncentred_data):
+    x, y = uncentred_data
+    with jax.enable_x64(True):
+        guide = AutoMultivariateNormal(flat_regression)
+        result, _ = _run(flat_regression, guide, nb.BLR(), 12, jnp.asarray(x), jnp.asarray(y))
+        unconverged = nb.fit_report(result, guide=guide).unconverged
+    assert unconverged and set(unconverged) <= {"beta", "sigma"}
+
+
+def _linear_known_noise(X, y=None):
+    w = numpyro.sample("w", dist.Normal(0.0, 10.0).expand([X.shape[1]]).to_event(1))
+    numpyro.sample("y", dist.Normal(X @ w, 1.0), obs=y)
+
+
+def test_mean_field_guide_reaches_its_optimum_on_a_correlated_posterior():
+    """Gaussian posterior with correlations 0.999: the mean-field optimum has the exact posterior
+    mean and precision diag(P). A damped Jacobi mean step needs thousands of steps here; the
+    default's mean step, preconditioned by the exact Hessian across the blocks, needs tens."""
+    rng = np.random.default_rng(1)
+    z = rng.normal(size=(100, 1))
+    X = np.hstack([z + 0.03 * rng.normal(size=(100, 1)) for _ in range(4)] + [np.ones((100, 1))])
+    y = X @ np.array([1.0, -2.0, 0.5, 1.5, 3.0]) + rng.normal(size=100)
+    prec = X.T @ X + np.eye(5) / 100.0
+    mean = np.linalg.solve(prec, X.T @ y)
+    with jax.enable_x64(True):
+        result, messages = _run(_linear_known_noise, AutoNormal(_linear_known_noise), nb.BLR(), 100, jnp.asarray(X), jnp.asarray(y))
+    loc = np.asarray(result.params["w_auto_loc"])
+    scale = np.asarray(result.params["w_auto_scale"])
+    mf_sd = 1.0 / np.sqrt(np.diag(prec))
+    np.testing.assert_allclose(loc, mean, atol=1e-3 * np.min(np.sqrt(np.diag(np.linalg.inv(prec)))))
+    np.testing.assert_allclose(scale, mf_sd, rtol=1e-3)
+    assert messages == []
+
+
+def test_divergence_is_reported_with_the_fix():
+    """Gradient descent with lr = 1 on a curvature of 11 multiplies the error by -10 per step."""
+
+    def steep(y=None):
+        numpyro.sample("x", dist.Normal(0.0, 0.3))
+
+    guide = AutoNormal(steep, init_loc_fn=init_to_value(values={"x": 0.5}))
+    result, messages = _run(steep, guide, nb.gradient_descent(lr=1.0), 8)
+    assert nb.fit_report(result).diverged
+    assert any("diverged" in m and "smaller lr" in m for m in messages), messages
+
+
+def test_collapsed_variance_is_reported():
+    """A log density with curvature 1e16 at x = 1 in float32: the posterior sd, 7e-9, is below the
+    rounding level of the mean (1.2e-7), so the guide cannot represent it."""
+
+    def needle():
+        x = numpyro.sample("x", dist.Normal(0.0, 10.0))
+        numpyro.factor("needle", -0.5e16 * (x - 1.0) ** 2)
+
+    guide = AutoNormal(needle, init_loc_fn=init_to_value(values={"x": 1.0}))
+    result, messages = _run(needle, guide, nb.BLR(), 30)
+    report = nb.fit_report(result)
+    assert report.collapsed == ["x_auto_scale"]
+    assert any("collapsed" in m and "x_auto_scale" in m for m in messages), messages
+
+
+def test_skipped_steps_halve_the_step_size():
+    def model(broken=False):
+        x = numpyro.sample("x", dist.Normal(0.0, 1.0))
+        if broken:
+            numpyro.factor("nan", jnp.nan * x)
+
+    svi = SVI(model, AutoNormal(model), nb.BLR(), Trace_ELBO())
+    init_state = svi.init(jax.random.PRNGKey(0))  # a valid start, then the model breaks
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = svi.run(jax.random.PRNGKey(0), 4, broken=True, progress_bar=False, init_state=init_state)
+    messages = [str(w.message) for w in caught]
+    report = nb.fit_report(result)
+    assert report.skipped_steps == 4 and report.halvings == 4
+    # the clock jumps to 2c + tau at each skip: rho = 0.5, 0.25, 0.125, 0.0625 at steps 1..4
+    assert report.step_size == pytest.approx(0.0625, rel=1e-6)
+    assert any("halved 4 time(s)" in m for m in messages)
+
+
+@pytest.mark.parametrize("lr, match", [
+    (1.5, "outside"),
+    (optax.linear_schedule(0.5, -0.1, 5000), "at step 4167"),
+    (lambda t: jnp.where(t < 20_000, 0.5, jnp.inf), "at step 20000"),
+    (optax.constant_schedule(2.0), "at step 0"),
+])
+def test_step_sizes_are_checked_before_the_run(lr, match):
+    with pytest.raises(ValueError, match=match):
+        nb.BLR(lr)
+
+
+def test_report_of_a_healthy_run_is_clean(uncentred_data):
+    x, y = uncentred_data
+    with jax.enable_x64(True):
+        result, messages = _run(flat_regression, AutoNormal(flat_regression), nb.BLR(), 300, jnp.asarray(x), jnp.asarray(y))
+    report = nb.fit_report(result)
+    assert report.problems == [] and messages == []
+    assert "no problem found" in str(report)
+    with pytest.raises(TypeError, match="fit_report expects"):
+        nb.fit_report({"auto_loc": 1})
