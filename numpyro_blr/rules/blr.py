@@ -144,10 +144,12 @@ def full_scale_tril_update(scale_tril, hess, lr, improved=True, whitened_hess=No
     definite for any :math:`\hat H` and :math:`\rho`. Then :math:`\Sigma_{\rm new} = L K^{-1} L^\top`
     and :math:`L_{\rm new} = L T` with :math:`T` the lower Cholesky factor of :math:`K^{-1}`
     (:func:`~numpyro_blr.families.gaussian.precision_to_scale_tril`: one Cholesky, one triangular
-    inverse; no inverse of :math:`L`). Should that Cholesky fail in floating point (:math:`\|\tilde B\|`
-    beyond about :math:`\varepsilon^{-1/2}`), :math:`K = \frac12 F F^\top`, :math:`F = [I, \tilde B]`, is
-    triangularised by a QR decomposition of :math:`F` instead, which does not square the condition
-    number. The plain step is non-finite when :math:`\tilde B` is not positive definite.
+    inverse; no inverse of :math:`L`). Should that Cholesky fail or lose accuracy in floating point
+    (condition number of :math:`K` beyond about :math:`10^{-3}/\varepsilon`), a factor :math:`F` with
+    :math:`K = F F^\top` is triangularised by a QR decomposition instead, which does not square the
+    condition number: :math:`F = [I, \tilde B]/\sqrt2` for the improved step, :math:`[C, I/\sqrt2]`
+    with :math:`C C^\top = \tilde B - I/2` for the one-sided rule's plain branch. The plain step is
+    non-finite when :math:`\tilde B` is not positive definite.
     ``whitened_hess`` (:math:`M`, when the estimator gives it) replaces ``hess``.
     """
     if whitened_hess is None:
@@ -160,17 +162,34 @@ def full_scale_tril_update(scale_tril, hess, lr, improved=True, whitened_hess=No
     b = (1.0 - lr) * eye + lr * m
     if rule == "plain":
         return _times_inverse_cholesky_factor(scale_tril, b)
-    k = 0.5 * (eye + b @ b)
-    if rule == "one-sided":  # B itself where B >= I/2 (tested by a Cholesky of B - I/2)
-        k = jnp.where(jnp.all(jnp.isfinite(jnp.linalg.cholesky(b - 0.5 * eye))), b, k)
-    new_tril = _times_inverse_cholesky_factor(scale_tril, k)
     half = jnp.sqrt(0.5).astype(scale_tril.dtype)
+    k, factor = 0.5 * (eye + b @ b), jnp.concatenate([eye, b], axis=-1) * half  # K = F F^T
+    if rule == "one-sided":  # B itself where B >= I/2, told by a Cholesky C C^T = B - I/2
+        c = jnp.linalg.cholesky(b - 0.5 * eye)
+        grows = jnp.all(jnp.isfinite(c))
+        k = jnp.where(grows, b, k)
+        factor = jnp.where(grows, jnp.concatenate([jnp.where(grows, c, 0.0), eye * half], axis=-1), factor)
+    w = _flipped_cholesky(k)
+    d = jnp.abs(jnp.diagonal(w))
+    # Cholesky's relative error is about cond(K) eps, and cond(K) >= (max d / min d)^2: past
+    # cond(K) ~ 1e-3/eps (1e4 in float32) the QR route, which does not square it, takes over
+    accurate = jnp.all(jnp.isfinite(w)) & (jnp.min(d) ** 2 > 1e3 * jnp.finfo(d.dtype).eps * jnp.max(d) ** 2)
     return lax.cond(
-        jnp.all(jnp.isfinite(new_tril)),
-        lambda _: new_tril,
-        lambda _: scale_tril @ _scale_tril_from_factor_qr(jnp.concatenate([eye, b], axis=-1) * half),
+        accurate,
+        lambda _: _solve_with_flipped_cholesky(scale_tril, w),
+        lambda _: scale_tril @ _scale_tril_from_factor_qr(factor),
         None,
     )
+
+
+def _flipped_cholesky(k):
+    r"""Upper-triangular :math:`W` with :math:`K = W W^\top`: :math:`J K J = V V^\top`, :math:`W = J V J`."""
+    return jnp.flip(jnp.linalg.cholesky(jnp.flip(k, axis=(-2, -1))), axis=(-2, -1))
+
+
+def _solve_with_flipped_cholesky(scale_tril, w):
+    r""":math:`L W^{-\top}`, the factor :math:`L T` of :func:`_times_inverse_cholesky_factor`."""
+    return lax.linalg.triangular_solve(w, scale_tril, left_side=False, lower=False, transpose_a=True)
 
 
 def _times_inverse_cholesky_factor(scale_tril, k):
@@ -178,8 +197,7 @@ def _times_inverse_cholesky_factor(scale_tril, k):
     triangular solve: with the reversal :math:`J`, :math:`J K J = V V^\top` and :math:`W = J V J` (upper),
     :math:`K = W W^\top` so :math:`T = W^{-\top}` and :math:`L T` solves :math:`X W^\top = L`
     (as :func:`~numpyro_blr.families.gaussian.precision_to_scale_tril`, without forming :math:`T`)."""
-    w = jnp.flip(jnp.linalg.cholesky(jnp.flip(k, axis=(-2, -1))), axis=(-2, -1))
-    return lax.linalg.triangular_solve(w, scale_tril, left_side=False, lower=False, transpose_a=True)
+    return _solve_with_flipped_cholesky(scale_tril, _flipped_cholesky(k))
 
 
 def momentum_update(momentum, grad, beta, step):
