@@ -8,8 +8,9 @@ parameters (and, with the guide, the sites) concerned and the one change that fi
 * **skipped steps**: a non-finite loss, gradient or update; the step kept the last finite values
   and, with the default adaptive step size, halved :math:`\rho`;
 * **divergence**: the running average of the loss ended far above its best value (by more than
-  ``DIVERGENCE_NATS`` nats and ``DIVERGENCE_SDS`` times the loss's noise sd when the best was
-  reached);
+  ``DIVERGENCE_NATS`` nats, ``DIVERGENCE_SDS`` times the loss's noise sd when the best was
+  reached, and ``DIVERGENCE_FRACTION`` of the best value: the losses of the first steps from a
+  far initialisation swing by tens of percent without anything going wrong);
 * **not converged**: some mean's whitened gradient :math:`u = L^\top\hat g` (the distance to the
   optimum in posterior standard deviations, for a Gaussian posterior) keeps its sign from step
   to step (``FitTrace.persistence`` above ``UNCONVERGED_PERSISTENCE``; Monte Carlo noise gives
@@ -26,6 +27,7 @@ from numpyro_blr.layout import DIAGONAL, FULL
 
 DIVERGENCE_NATS = 10.0
 DIVERGENCE_SDS = 6.0
+DIVERGENCE_FRACTION = 0.25
 UNCONVERGED_SDS = 1.0
 UNCONVERGED_PERSISTENCE = 0.7
 COLLAPSE_EPS = 10.0
@@ -115,7 +117,7 @@ def fit_report(result, optimizer=None, guide=None):
         )
         keys.append(("skipped", skipped))
 
-    diverged = bool(np.isfinite(avg) and np.isfinite(best) and avg - best > max(DIVERGENCE_NATS, DIVERGENCE_SDS * best_sd))
+    diverged = bool(np.isfinite(avg) and np.isfinite(best) and avg - best > max(DIVERGENCE_NATS, DIVERGENCE_SDS * best_sd, DIVERGENCE_FRACTION * abs(best)))
     if not np.isfinite(avg):
         diverged = steps > 0
     if diverged:
