@@ -128,8 +128,9 @@ def log_densities(guide, params, model, draws, *args, **kwargs):
     Returns two arrays of shape ``(S,)``. The difference is the log importance ratio of Yao et al.
     (2018).
     """
-    from numpyro_blr.diagnostics.convert import DiagnosticsError, model_sites
+    from numpyro_blr.diagnostics.convert import DiagnosticsError, check_arguments, model_sites
 
+    check_arguments("log_densities", guide, params, model, args, kwargs)
     if not has_density(guide):
         raise DiagnosticsError(
             f"{type(guide).__name__} is a point mass: it has no density log q, so there are no importance "
@@ -225,6 +226,13 @@ def _logsumexp(x):
 
 
 def _sample_stats(tree):
+    if not hasattr(tree, "children"):
+        from numpyro_blr.diagnostics.convert import DiagnosticsError
+
+        raise DiagnosticsError(
+            f"expected the xarray.DataTree that numpyro_blr.diagnostics.to_datatree returns, got {type(tree).__name__}"
+            + ("; for a guide use check_guide(guide, svi_result.params, model, *args)." if callable(tree) else ".")
+        )
     if "sample_stats" not in tree.children or "log_p" not in tree["sample_stats"].ds:
         raise ValueError(
             "the tree has no sample_stats/log_p and log_q: build it with "
@@ -257,8 +265,9 @@ def check_guide(guide, params, model, *args, num_samples=4000, rng_key=None, **k
     statistic, different draws and tail fit) and, for calibration across simulated data sets, its
     ``numpyro.infer.calibration.vsbc_diagnostic`` (Yao et al. 2018, Sec. 3).
     """
-    from numpyro_blr.diagnostics.convert import posterior_draws
+    from numpyro_blr.diagnostics.convert import check_arguments, posterior_draws
 
+    check_arguments("check_guide", guide, params, model, args, kwargs)
     draws = posterior_draws(guide, params, *args, num_samples=num_samples, rng_key=rng_key, **kwargs)
     log_p, log_q = log_densities(guide, params, model, draws, *args, **kwargs)
     return psis(log_p, log_q)
