@@ -19,7 +19,7 @@ therefore not read: its parameters go to the ``fallback`` optimizer, or the erro
 says why. The unconstrained value is what SVI hands the optimizer, so a scale declared with
 ``constraints.positive`` becomes a block whose scale transform is ``exp``.
 
-:func:`check_read_constraints` guards the read by names (no ``guide=``): a hand-written guide
+:func:`check_loss` guards the read by names (no ``guide=``): a hand-written guide
 whose parameters happen to be called ``w_auto_loc``/``w_auto_scale`` but whose scale has another
 constraint than the autoguide's would otherwise be stepped with the wrong transform.
 """
@@ -213,35 +213,70 @@ def trace_layout(guide, params, args=(), kwargs=None, fallback=None):
     return Layout(tuple(sorted(blocks, key=lambda b: b.loc)), other)
 
 
-class _ParamRecorder(Messenger):
+class _LossRecorder(Messenger):
+    """Records what the loss's model and guide declare: param constraints, and enumerated sites that
+    the loss does not enumerate."""
+
     def __init__(self):
         super().__init__()
         self.constraints = {}
+        self.marked, self.summed, self.sampled = [], set(), set()
 
     def postprocess_message(self, msg):
         if msg["type"] == "param" and msg["name"] not in self.constraints:
             self.constraints[msg["name"]] = msg["kwargs"].get("constraint", constraints.real)
+        if msg["type"] != "sample":
+            return
+        infer = msg.get("infer") or {}
+        name = msg["name"]
+        if not msg.get("is_observed", False) and infer.get("enumerate") == "parallel":
+            if msg.get("done", False):  # TraceEnum_ELBO's enum handler marks what it enumerates done
+                self.summed.add(name)
+            elif name not in self.sampled and name not in self.marked:  # the guide runs first: not guided
+                self.marked.append(name)
+        self.sampled.add(name)
+
+    @property
+    def unsummed(self):
+        """Sites marked for enumeration, with no guide site, that no pass of the loss enumerated (TraceEnum_ELBO
+        also runs the model once without enumeration, to read its dependencies)."""
+        return [n for n in self.marked if n not in self.summed]
 
 
-def loss_param_constraints(fn, params):
-    """``{name: constraint}`` of the ``numpyro.param`` sites that running the loss ``fn(params)``
-    declares (abstract evaluation: no computation is done)."""
-    recorder = _ParamRecorder()
+def loss_sites(fn, params):
+    """``({name: constraint}, [enumerated sites not enumerated])`` from running the loss
+    ``fn(params)`` abstractly (``jax.eval_shape``: no computation is done)."""
+    recorder = _LossRecorder()
 
     def run(p):
         with recorder:
             return fn(p)
 
     jax.eval_shape(run, params)
-    return recorder.constraints
+    return recorder.constraints, recorder.unsummed
 
 
-def check_read_constraints(fn, params, layout):
-    """Raise if a block read by names has a scale (or loc) declared with another constraint than the
-    block's transform assumes: the guide is then not the autoguide its names suggest."""
+def check_loss(fn, params, layout, read_by_names=True):
+    """Checks of the loss that nb.BLR runs once per compilation (abstractly):
+
+    * a site the model marks ``infer={"enumerate": "parallel"}`` must be enumerated by the loss
+      (``TraceEnum_ELBO``): under ``Trace_ELBO`` it is drawn from the model and the gradient misses
+      its score-function term, a biased fit with only NumPyro's warning;
+    * with ``read_by_names``, a block read by its autoguide names must have the constraints the
+      block's transform assumes: otherwise the guide is not the autoguide its names suggest.
+    """
     try:
-        declared = loss_param_constraints(fn, params)
+        declared, unsummed = loss_sites(fn, params)
     except Exception:  # noqa: BLE001 - a loss that cannot be evaluated abstractly: nothing to check
+        return
+    if unsummed:
+        raise ValueError(
+            f"the model marks the site(s) {unsummed} infer={{'enumerate': 'parallel'}}, but the loss does not "
+            "enumerate them: under Trace_ELBO they are drawn from the model and the ELBO gradient misses their "
+            "score-function term. Use numpyro.infer.TraceEnum_ELBO() (nb.ExpFamilyGuide and the autoguides leave "
+            "enumerated sites to it), or remove the mark and give the site a guide family."
+        )
+    if not read_by_names:
         return
     wrong = []
     for b in layout.blocks:

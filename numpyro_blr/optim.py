@@ -48,7 +48,7 @@ from numpyro_blr.guide_trace import (
     PLACEHOLDER_SUFFIX,
     as_optax,
     check_foreign_state,
-    check_read_constraints,
+    check_loss,
     guide_call_args,
     is_autoguide,
     trace_layout,
@@ -499,8 +499,7 @@ class BLR(_NumPyroOptim):
         check_foreign_state(s, BLRState)
         params = s.params
         layout = self.layout(params)
-        if not self.traced:  # names read as an autoguide's: the loss must declare the same constraints
-            check_read_constraints(fn, params, layout)
+        check_loss(fn, params, layout, read_by_names=not self.traced)  # trace time only
         passthrough = ()
         if self.fallback is None and layout.other:  # only "$params" placeholders (checked by layout)
             passthrough = layout.other
