@@ -55,6 +55,7 @@ __all__ = [
 
 GOOD_K = 0.5
 OK_K = 0.7
+TAIL_ONLY_ESS = 0.9  # PSISResult.tail_only: an unreliable k-hat with at least this fraction of ESS
 
 
 def khat_verdict(khat):
@@ -88,8 +89,21 @@ class PSISResult(NamedTuple):
     log_p: np.ndarray
     log_q: np.ndarray
 
+    @property
+    def tail_only(self):
+        """k-hat says unreliable while the smoothed weights are nearly uniform (ESS >= 90% of the draws):
+        q matches the posterior's bulk, and k-hat reads a far tail of the ratios (see docs/diagnostics.md)."""
+        return self.verdict == "unreliable" and self.ess >= TAIL_ONLY_ESS * self.log_ratio.size
+
     def __str__(self):
-        return f"Pareto k-hat = {self.khat:.2f} ({self.verdict}); PSIS ESS = {self.ess:.0f} of {self.log_ratio.size}"
+        text = f"Pareto k-hat = {self.khat:.2f} ({self.verdict}); PSIS ESS = {self.ess:.0f} of {self.log_ratio.size}"
+        if self.tail_only:
+            text += (
+                "; the weights are nearly uniform: q matches the posterior's bulk and k-hat reads a far tail "
+                "(heavier than q's) that importance sampling reaches only with many more draws; moments of q are "
+                "usable, tail probabilities and PSIS corrections of heavy-tailed quantities are not"
+            )
+        return text
 
 
 # -- densities ---------------------------------------------------------------------------------
