@@ -334,8 +334,7 @@ class BLR(_NumPyroOptim):
     def layout(self, params):
         """The guide's Gaussian blocks read from ``params`` (raises if it cannot be read)."""
         if self.traced:
-            key = tuple(sorted((k, tuple(jax.tree.map(jnp.shape, v)) if not hasattr(v, "shape") else v.shape)
-                               for k, v in params.items()))
+            key = tuple(sorted((k, str(jax.tree.map(jnp.shape, v))) for k, v in params.items()))  # names, shapes
             if key not in self._traced_layouts:
                 args, kwargs = self.guide_args
                 self._traced_layouts[key] = trace_layout(self.guide, params, args, kwargs, self.fallback)

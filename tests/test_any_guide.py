@@ -175,6 +175,42 @@ def test_fallback_fits_a_guide_with_no_gaussian_exactly_as_it_alone_would(make):
     assert abs(float(mean) - 15 / 22) < 0.05  # posterior Beta(15, 7)
 
 
+def test_flow_guide_is_fitted_by_the_fallback_as_by_it_alone():
+    """A normalizing flow (its weights are '$params' pytrees the loss reads) has no Gaussian BLR can step."""
+    from numpyro.infer.autoguide import AutoIAFNormal
+
+    def run(optim):
+        return SVI(model, AutoIAFNormal(model), optim, Trace_ELBO()).run(jax.random.PRNGKey(0), 60, X, Y, progress_bar=False)
+
+    blr, alone = run(nb.BLR(fallback=optax.adam(0.01))), run(optax.adam(0.01))
+    np.testing.assert_allclose(blr.losses, alone.losses, rtol=1e-5)
+    assert np.mean(blr.losses[-10:]) < np.mean(blr.losses[:10])
+
+
+def test_hand_written_guide_with_a_gaussian_and_a_beta_site():
+    """The Normal site is read by tracing and stepped by the BLR; the Beta site's parameters go to the fallback."""
+
+    def joint_model(X, y=None, coins=None):
+        model(X, y)
+        p = numpyro.sample("p", dist.Beta(1.0, 1.0))
+        numpyro.sample("coins", dist.Bernoulli(p), obs=coins)
+
+    def joint_guide(X, y=None, coins=None):
+        normal_guide(X, y)
+        beta_guide(coins)
+
+    opt = nb.BLR(guide=joint_guide, guide_args=(X,), fallback=optax.adam(0.05))
+    result = SVI(joint_model, joint_guide, opt, Trace_ELBO()).run(
+        jax.random.PRNGKey(0), 300, X, Y, COINS, progress_bar=False
+    )
+    (block,) = opt.layout(result.state.optim_state[1].params).blocks
+    assert (block.loc, block.scale) == ("w_loc", "w_scale")
+    mean, _, prec = exact_posterior()  # independent of the coin: the mean-field optimum is exact
+    np.testing.assert_allclose(result.params["w_loc"], mean, rtol=1e-3, atol=1e-3)
+    np.testing.assert_allclose(result.params["w_scale"], 1 / np.sqrt(np.diag(prec)), rtol=1e-3)
+    assert abs(float(result.params["a"] / (result.params["a"] + result.params["b"])) - 15 / 22) < 0.05
+
+
 def test_numpyro_optimizer_that_needs_the_loss_is_rejected_at_construction():
     with pytest.raises(ValueError, match="optax.adam"):
         nb.BLR(fallback=numpyro.optim.Minimize())
