@@ -118,7 +118,14 @@ def trace_layout(guide, params, args=(), kwargs=None, fallback=None):
     parameter that feeds a Gaussian site which could not be read raises, with the reason.
     """
     kwargs = dict(kwargs or {})
-    sites = _param_sites(guide, args, kwargs)
+    try:
+        sites = _param_sites(guide, args, kwargs)
+    except Exception as err:  # noqa: BLE001 - say which call failed and how to give the arguments
+        raise GuideLayoutError(
+            f"nb.BLR traces the hand-written guide to find its Gaussians, and calling it with guide_args={args!r} "
+            f"and guide_kwargs={kwargs!r} failed ({type(err).__name__}: {err}). Pass the arguments you give "
+            "svi.run: nb.BLR(guide=guide, guide_args=(X, ...), guide_kwargs={...})."
+        ) from err
     constraint = {n: s["kwargs"].get("constraint", constraints.real) for n, s in sites.items() if n in params}
 
     # random stand-ins in unconstrained space: no two parameters share a value by accident

@@ -107,6 +107,13 @@ def test_guide_that_needs_arguments_asks_for_them():
     with pytest.raises(nb.GuideLayoutError, match="guide_args"):
         nb.BLR(guide=normal_guide)
 
+    def needs_data(*args):  # binds without arguments, but fails when called without them
+        normal_guide(*args)
+
+    svi = SVI(model, needs_data, nb.BLR(guide=needs_data), Trace_ELBO())
+    with pytest.raises(nb.GuideLayoutError, match=r"calling it with guide_args=\(\).*failed"):
+        svi.init(jax.random.PRNGKey(0), X, Y)
+
 
 def test_autoguide_names_with_another_scale_constraint_are_not_silently_misread():
     """Names like AutoNormal's but an unconstrained scale: today this ran and stayed at the prior."""
