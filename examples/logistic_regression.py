@@ -97,7 +97,7 @@ def demo_figure(curves, ms_per_step, intervals, path):
     ax.invert_yaxis()
     ax.set_xlabel(f"(coefficient - {names[0]} centre) / {names[0]} sd")
     ax.set_title(f"95% posterior intervals, standardised by {names[0]}'s")
-    ax.legend(loc="lower right")
+    ax.legend(loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -308,3 +308,16 @@ def test_state_from_another_optimizer_says_how_to_start_from_its_params():
     result = blr.run(jax.random.PRNGKey(1), 50, X, Y, progress_bar=False, init_params=adam_result.params)
     mean, _, _ = exact_posterior()
     np.testing.assert_allclose(result.params["w_loc"], mean, rtol=1e-4, atol=1e-4)
+
+
+def test_ivon_accepts_a_numpyro_optimizer_as_fallback():
+    def with_param(X, y=None):
+        noise = numpyro.param("noise", 0.5, constraint=constraints.positive)
+        model_w = numpyro.sample("w", dist.Normal(0.0, 1.0).expand([X.shape[1]]).to_event(1))
+        numpyro.sample("y", dist.Normal(X @ model_w, noise), obs=y)
+
+    optim = nb.IVON(lr=0.1, ess=N, fallback=numpyro.optim.Adam(0.05))
+    result = SVI(with_param, AutoNormal(with_param), optim, Trace_ELBO()).run(
+        jax.random.PRNGKey(0), 200, X, Y, progress_bar=False
+    )
+    assert np.all(np.isfinite(result.losses)) and abs(float(result.params["noise"]) - 0.5) > 0.1
