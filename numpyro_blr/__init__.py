@@ -1,6 +1,12 @@
-"""numpyro_blr: the Bayesian learning rule (Khan & Rue 2023) for NumPyro."""
+"""numpyro_blr: the Bayesian learning rule (Khan & Rue 2023) for NumPyro.
 
-from numpyro_blr import deep, diagnostics, infer, mixture
+``nb.diagnostics`` (ArviZ, xarray, scipy) is imported on first use, so that ``import numpyro_blr``
+costs little more than ``import numpyro`` (``bench/bench_import.py``).
+"""
+
+import importlib
+
+from numpyro_blr import deep, infer, mixture
 from numpyro_blr.bayesbinn import bayesbinn
 from numpyro_blr.mixture import mixture_blr, multimodal_optimization
 from numpyro_blr.deep import IVON, adam_blr, bsam, ivon, ogn, rmsprop_blr, sgd_blr, vogn
@@ -53,3 +59,17 @@ __all__ = [
     "von",
 ]
 __version__ = "0.1.0"
+
+_LAZY_SUBMODULES = ("diagnostics",)
+
+
+def __getattr__(name):
+    if name in _LAZY_SUBMODULES:
+        module = importlib.import_module(f"numpyro_blr.{name}")
+        globals()[name] = module
+        return module
+    raise AttributeError(f"module 'numpyro_blr' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY_SUBMODULES))

@@ -125,6 +125,7 @@ class ExpFamilyGuide:
         self.max_enumerate = max_enumerate
         self.score_samples = score_samples
         self.sites = None  # name -> dict(family, shape, event_dim, frames, init, support, dtype)
+        self.enumerated = None  # model sites marked infer={"enumerate": "parallel"}: no guide site
         self.plates = None
 
     # -- setup ----------------------------------------------------------------------------
@@ -148,8 +149,18 @@ class ExpFamilyGuide:
                         f"subsample_size {subsample}."
                     )
         self.sites = {}
+        self.enumerated = []
         for name, site in tr.items():
             if site["type"] != "sample" or site["is_observed"] or site["infer"].get("is_auxiliary"):
+                continue
+            if site["infer"].get("enumerate") == "parallel":  # summed out by TraceEnum_ELBO, as autoguides do
+                if name in self.families:
+                    raise ValueError(
+                        f"families names site {name!r}, which the model marks infer={{'enumerate': 'parallel'}}: "
+                        "an enumerated site is summed out by TraceEnum_ELBO and gets no guide site. Remove the "
+                        "mark to fit it with a family, or remove it from families."
+                    )
+                self.enumerated.append(name)
                 continue
             fn = site["fn"]
             support = fn.support

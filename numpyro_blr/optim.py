@@ -36,6 +36,7 @@ from typing import Any, Callable, NamedTuple, Optional, Union
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from jax import lax
 from jax.scipy.linalg import solve_triangular
 from numpyro.optim import _NumPyroOptim
@@ -43,6 +44,16 @@ from numpyro.optim import _NumPyroOptim
 from numpyro_blr.estimators import HESSIANS, estimate
 from numpyro_blr import expfam_blocks
 from numpyro_blr.layout import DIAGONAL, EXPFAM, FULL, POINT, GuideLayoutError, read_layout
+from numpyro_blr.guide_trace import (
+    PLACEHOLDER_SUFFIX,
+    as_optax,
+    check_foreign_state,
+    check_loss,
+    guide_call_args,
+    is_autoguide,
+    trace_layout,
+    unread_params,
+)
 from numpyro_blr.rules.blr import (
     diagonal_precision_update,
     full_precision_update,
@@ -247,10 +258,19 @@ class BLR(_NumPyroOptim):
         ``False`` (the plain BLR: exact for ``lr=1`` on quadratic losses, but a
         non-positive-definite update is then skipped as non-finite).
     :param init_precision: initial precision of point-mass locs (delta method), a float > 0.
-    :param fallback: an ``optax.GradientTransformation`` for parameters that are not part of a
-        Gaussian (a model's ``numpyro.param``...). Without it such parameters raise an error.
-    :param guide: optional; the guide, to read its prefix and scale constraints when they differ
-        from NumPyro's defaults.
+    :param fallback: an ``optax.GradientTransformation`` (or a NumPyro optimizer such as
+        ``numpyro.optim.Adam(1e-3)``) for parameters that are not part of a Gaussian (a model's
+        ``numpyro.param``, a non-Gaussian guide's parameters, a module's weights; pytree-valued
+        parameters included). Without it such parameters raise an error, except
+        ``numpyro.contrib.module``'s ``"{name}$params"`` placeholders that the loss does not read,
+        which are passed through unchanged.
+    :param guide: optional; an autoguide or ``nb.ExpFamilyGuide`` (to read its prefix and scale
+        constraints when they differ from NumPyro's defaults), or a hand-written guide function,
+        which BLR traces to find which ``numpyro.param`` is the ``loc`` and which (through its
+        constraint) the ``scale``/``scale_tril`` of each ``Normal``/``MultivariateNormal`` site
+        (:mod:`numpyro_blr.guide_trace`).
+    :param guide_args, guide_kwargs: the arguments to trace a hand-written guide with (those given
+        to ``svi.run``); not needed when the guide takes none.
     :param prefix: the autoguide prefix (default ``"auto"``, or the guide's).
     :param seed: seed of the draws the optimizer makes itself (the score-function estimator of
         large discrete ``ExpFamilyGuide`` sites); step ``t`` uses ``fold_in(PRNGKey(seed), t)``.
@@ -270,6 +290,8 @@ class BLR(_NumPyroOptim):
         init_precision: float = 1.0,
         fallback=None,
         guide=None,
+        guide_args=None,
+        guide_kwargs=None,
         prefix: Optional[str] = None,
         seed: int = 0,
     ):
@@ -287,10 +309,14 @@ class BLR(_NumPyroOptim):
         self.momentum = _check_unit_interval(momentum, "momentum")
         self.improved = positivity_rule(improved)
         self.init_precision = _check_lr(init_precision, "init_precision")
-        if fallback is not None and not (hasattr(fallback, "init") and hasattr(fallback, "update")):
-            raise ValueError(f"fallback must be an optax GradientTransformation, got {type(fallback).__name__}.")
-        self.fallback = fallback
+        self.fallback = as_optax(fallback)
         self.guide = guide
+        # a hand-written guide is read by tracing it (numpyro_blr.guide_trace), with these arguments
+        self.traced = guide is not None and not is_autoguide(guide)
+        if self.traced and not callable(guide):
+            raise ValueError(f"guide must be a NumPyro guide (a callable), got {type(guide).__name__}.")
+        self.guide_args = guide_call_args(guide, guide_args, guide_kwargs) if self.traced else None
+        self._traced_layouts = {}
         self.prefix = prefix or getattr(guide, "prefix", None) or "auto"
         self.scale_constraint = getattr(guide, "scale_constraint", None)
         self.scale_tril_constraint = getattr(guide, "scale_tril_constraint", None)
@@ -307,19 +333,32 @@ class BLR(_NumPyroOptim):
     # -- structure -------------------------------------------------------------------------
     def layout(self, params):
         """The guide's Gaussian blocks read from ``params`` (raises if it cannot be read)."""
-        layout = read_layout(params, self.prefix, self.scale_constraint, self.scale_tril_constraint)
-        if not layout.blocks:
+        if self.traced:
+            key = tuple(sorted((k, str(jax.tree.map(jnp.shape, v))) for k, v in params.items()))  # names, shapes
+            if key not in self._traced_layouts:
+                args, kwargs = self.guide_args
+                self._traced_layouts[key] = trace_layout(self.guide, params, args, kwargs, self.fallback)
+            layout = self._traced_layouts[key]
+        else:
+            layout = read_layout(params, self.prefix, self.scale_constraint, self.scale_tril_constraint)
+        if not layout.blocks and self.fallback is None:
             raise GuideLayoutError(
                 f"nb.BLR found no Gaussian in the parameters {sorted(params)}: it expects an autoguide's "
                 f"'<site>_{self.prefix}_loc'/'<site>_{self.prefix}_scale', '{self.prefix}_loc'/"
                 f"'{self.prefix}_scale_tril' or point-mass '{self.prefix}_loc' parameters. Use AutoNormal, "
                 "AutoDiagonalNormal, AutoMultivariateNormal or AutoDelta, or pass guide=... if it uses another prefix "
-                "(for positive, unit-interval, simplex or discrete latents use nb.ExpFamilyGuide)."
+                "(for positive, unit-interval, simplex or discrete latents use nb.ExpFamilyGuide). "
+                "If it is a hand-written guide, pass it: nb.BLR(guide=guide, guide_args=(...)) with the arguments "
+                "you give svi.run, and BLR reads its Normal/MultivariateNormal sites by tracing it; "
+                "pass fallback=optax.adam(1e-3) to fit a guide with no Gaussian."
             )
-        if layout.other and self.fallback is None:
+        unhandled = [k for k in layout.other if not k.endswith(PLACEHOLDER_SUFFIX)]
+        if unhandled and self.fallback is None:
             raise GuideLayoutError(
-                f"nb.BLR cannot treat the parameter(s) {list(layout.other)} as part of a Gaussian guide. "
-                "Pass fallback=optax.adam(1e-3) (or another optax optimizer) to update them, or remove them."
+                f"nb.BLR cannot treat the parameter(s) {unhandled} as part of a Gaussian guide. "
+                "Pass fallback=optax.adam(1e-3) (or another optax optimizer) to update them, or remove them"
+                + ("; if they belong to a hand-written guide, pass it: nb.BLR(guide=guide, guide_args=(...))."
+                   if self.guide is None else ".")
             )
         return layout
 
@@ -361,7 +400,7 @@ class BLR(_NumPyroOptim):
     def init(self, params):
         layout = self.layout(params)
         dp = self._point_dim(params, layout) if self.point_hessian == "autodiff" else 0
-        dtype = jnp.result_type(*[params[b.loc] for b in layout.blocks])
+        dtype = jnp.result_type(*[params[b.loc] for b in layout.blocks]) if layout.blocks else jnp.result_type(float)
         joint = self._joint_diagonal(params, layout)
         if joint:  # start from the guide's own (diagonal) covariance
             scales = jnp.concatenate([b.transform(params[b.scale]).reshape(-1) for b in joint])
@@ -402,6 +441,7 @@ class BLR(_NumPyroOptim):
         divergence, a mean still travelling, a collapsed variance), naming the parameters concerned
         and the change that fixes it; each problem once per run, however often this is called."""
         i, s = state
+        check_foreign_state(s, BLRState)
         if not isinstance(s.nonfinite_steps, jax.core.Tracer):
             step = int(i)
             if step < self._reported_step:  # a new run: report afresh
@@ -455,8 +495,20 @@ class BLR(_NumPyroOptim):
 
     def _step(self, fn, state, forward_mode, stable):
         i, s = state
+        check_foreign_state(s, BLRState)
         params = s.params
         layout = self.layout(params)
+        check_loss(fn, params, layout, read_by_names=not self.traced)  # trace time only
+        passthrough = ()
+        if self.fallback is None and layout.other:  # only "$params" placeholders (checked by layout)
+            passthrough = layout.other
+            read = sorted(set(passthrough) - set(unread_params(fn, params, passthrough)))
+            if read:
+                raise GuideLayoutError(
+                    f"nb.BLR: the loss reads the parameter(s) {read}, which are not part of a Gaussian guide "
+                    "(a module weight without a prior?); pass fallback=optax.adam(1e-3) (or another optimizer) "
+                    "to update them."
+                )
         hessian = self.hessian_for(params, layout)
         (loss, aux), grads, stats, points, joint_hess = estimate(
             fn, params, layout, hessian, self.delta, forward_mode, self.point_hessian
@@ -560,13 +612,13 @@ class BLR(_NumPyroOptim):
             direction["__points__"] = u
 
         new_fb = s.fallback_state
-        if layout.other:
+        if layout.other and not passthrough:  # passthrough placeholders stay as they are
             other_g = {k: grads[k] for k in layout.other}
             other_p = {k: params[k] for k in layout.other}
             updates, new_fb = self.fallback.update(other_g, s.fallback_state, other_p)
-            for k in layout.other:
-                new_params[k] = params[k] + updates[k]
-                checked[k] = (grads[k], new_params[k])
+            for k in layout.other:  # a parameter may be a pytree (an Equinox module's weights)
+                new_params[k] = optax.apply_updates(params[k], updates[k])
+                checked[k] = tuple(jax.tree.leaves((grads[k], new_params[k])))
 
         def all_finite(arrays):
             # one reduction: x * 0 is 0 for finite x and NaN for inf/NaN, so the sum is finite iff all are

@@ -277,3 +277,47 @@ def test_autonormal_rejects_discrete_sites_and_blr_points_to_expfamilyguide():
         SVI(model, AutoNormal(model), nb.BLR(), Trace_ELBO()).init(jax.random.PRNGKey(0))
     with pytest.raises(nb.GuideLayoutError, match="ExpFamilyGuide"):
         nb.BLR().init({"weird": jnp.ones(2)})
+
+
+# ---------------------------------------------------------------- enumerated sites (issue 11, item 4)
+
+_MIX_RNG = np.random.default_rng(0)
+_MIX_Z = _MIX_RNG.choice(3, size=120, p=[0.9, 0.06, 0.04])
+_MIX_Y = jnp.asarray(_MIX_RNG.normal(np.array([0.0, 4.0, -4.0])[_MIX_Z], 1.0))
+
+
+def _mixture_model(y):
+    p = numpyro.sample("p", dist.Dirichlet(jnp.ones(3)))
+    mu = numpyro.sample("mu", dist.Normal(jnp.array([0.0, 4.0, -4.0]), 1.0).to_event(1))
+    with numpyro.plate("data", y.shape[0]):
+        z = numpyro.sample("z", dist.Categorical(p), infer={"enumerate": "parallel"})
+        numpyro.sample("y", dist.Normal(mu[z], 1.0), obs=y)
+
+
+def test_enumerated_site_is_left_to_trace_enum_elbo():
+    from numpyro.infer import TraceEnum_ELBO
+
+    guide = ExpFamilyGuide(_mixture_model)
+    svi = SVI(_mixture_model, guide, nb.BLR(), TraceEnum_ELBO())
+    result = svi.run(jax.random.PRNGKey(0), 200, _MIX_Y, progress_bar=False)
+    assert guide.enumerated == ["z"] and "z" not in guide.sites
+    assert np.all(np.isfinite(result.losses))
+    mean = guide.mean(result.params)
+    counts = np.bincount(_MIX_Z, minlength=3)
+    exact_if_z_known = (counts + 1) / (counts.sum() + 3)
+    np.testing.assert_allclose(mean["p"], exact_if_z_known, atol=0.04)
+    y = np.asarray(_MIX_Y)
+    mu_if_z_known = np.array([(m + y[_MIX_Z == k].sum()) / (1 + counts[k]) for k, m in enumerate([0.0, 4.0, -4.0])])
+    np.testing.assert_allclose(mean["mu"], mu_if_z_known, atol=0.3)
+    with pytest.raises(ValueError, match="enumerate"):
+        ExpFamilyGuide(_mixture_model, families={"z": "categorical"})(_MIX_Y)
+
+
+def test_enumerated_site_under_trace_elbo_asks_for_trace_enum_elbo():
+    """Trace_ELBO would draw the unguided site from the model (a biased gradient, NumPyro only warns)."""
+    guide = ExpFamilyGuide(_mixture_model)
+    svi = SVI(_mixture_model, guide, nb.BLR(), Trace_ELBO())
+    with pytest.warns(UserWarning, match="discrete latent"):
+        state = svi.init(jax.random.PRNGKey(0), _MIX_Y)
+    with pytest.raises(ValueError, match=r"\['z'\].*TraceEnum_ELBO"):
+        svi.update(state, _MIX_Y)

@@ -64,6 +64,7 @@ from jax import lax
 from numpyro.optim import _NumPyroOptim, _value_and_grad
 
 from numpyro_blr.deep.ivon import IVONState, ivon
+from numpyro_blr.guide_trace import PLACEHOLDER_SUFFIX, as_optax, unread_params
 from numpyro_blr.layout import DIAGONAL, GuideLayoutError, read_layout
 
 
@@ -81,18 +82,7 @@ class IVONSVIState(NamedTuple):
     fallback_state: Any
 
 
-PLACEHOLDER_SUFFIX = "$params"  # numpyro.contrib.module's parameter holding a module's weights
-
-
-def _unread_params(fn, params, names):
-    """The subset of ``names`` (keys of ``params``) whose leaves no operation of ``fn``'s traced
-    jaxpr reads (nor returns): ``fn(params)`` does not depend on them."""
-    jaxpr = jax.make_jaxpr(fn)(params).jaxpr
-    read = {id(v) for eqn in jaxpr.eqns for v in eqn.invars}
-    read |= {id(v) for v in jaxpr.outvars}
-    owner = [path[0].key for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
-    used = {k for k, v in zip(owner, jaxpr.invars) if id(v) in read}
-    return [k for k in names if k not in used]
+_unread_params = unread_params  # shared with nb.BLR (numpyro_blr.guide_trace)
 
 
 def _finite(*trees):
@@ -122,9 +112,7 @@ class IVON(_NumPyroOptim):
                          rescale_lr=bool(rescale_lr) and hess_init is not None)
         self.ess, self.delta = float(ess), float(weight_decay)
         self.hess_init = None if hess_init is None else float(hess_init)
-        if fallback is not None and not (hasattr(fallback, "init") and hasattr(fallback, "update")):
-            raise ValueError(f"fallback must be an optax GradientTransformation, got {type(fallback).__name__}.")
-        self.fallback = fallback
+        self.fallback = as_optax(fallback)
         self.prefix = prefix or getattr(guide, "prefix", None) or "auto"
         self.scale_constraint = getattr(guide, "scale_constraint", None)
         self.update_with_value = False

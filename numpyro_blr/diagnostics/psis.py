@@ -55,6 +55,7 @@ __all__ = [
 
 GOOD_K = 0.5
 OK_K = 0.7
+TAIL_ONLY_ESS = 0.9  # PSISResult.tail_only: an unreliable k-hat with at least this fraction of ESS
 
 
 def khat_verdict(khat):
@@ -88,8 +89,21 @@ class PSISResult(NamedTuple):
     log_p: np.ndarray
     log_q: np.ndarray
 
+    @property
+    def tail_only(self):
+        """k-hat says unreliable while the smoothed weights are nearly uniform (ESS >= 90% of the draws):
+        q matches the posterior's bulk, and k-hat reads a far tail of the ratios (see docs/diagnostics.md)."""
+        return self.verdict == "unreliable" and self.ess >= TAIL_ONLY_ESS * self.log_ratio.size
+
     def __str__(self):
-        return f"Pareto k-hat = {self.khat:.2f} ({self.verdict}); PSIS ESS = {self.ess:.0f} of {self.log_ratio.size}"
+        text = f"Pareto k-hat = {self.khat:.2f} ({self.verdict}); PSIS ESS = {self.ess:.0f} of {self.log_ratio.size}"
+        if self.tail_only:
+            text += (
+                "; the weights are nearly uniform: q matches the posterior's bulk and k-hat reads a far tail "
+                "(heavier than q's) that importance sampling reaches only with many more draws; moments of q are "
+                "usable, tail probabilities and PSIS corrections of heavy-tailed quantities are not"
+            )
+        return text
 
 
 # -- densities ---------------------------------------------------------------------------------
@@ -128,8 +142,9 @@ def log_densities(guide, params, model, draws, *args, **kwargs):
     Returns two arrays of shape ``(S,)``. The difference is the log importance ratio of Yao et al.
     (2018).
     """
-    from numpyro_blr.diagnostics.convert import DiagnosticsError, model_sites
+    from numpyro_blr.diagnostics.convert import DiagnosticsError, check_arguments, model_sites
 
+    check_arguments("log_densities", guide, params, model, args, kwargs)
     if not has_density(guide):
         raise DiagnosticsError(
             f"{type(guide).__name__} is a point mass: it has no density log q, so there are no importance "
@@ -225,6 +240,13 @@ def _logsumexp(x):
 
 
 def _sample_stats(tree):
+    if not hasattr(tree, "children"):
+        from numpyro_blr.diagnostics.convert import DiagnosticsError
+
+        raise DiagnosticsError(
+            f"expected the xarray.DataTree that numpyro_blr.diagnostics.to_datatree returns, got {type(tree).__name__}"
+            + ("; for a guide use check_guide(guide, svi_result.params, model, *args)." if callable(tree) else ".")
+        )
     if "sample_stats" not in tree.children or "log_p" not in tree["sample_stats"].ds:
         raise ValueError(
             "the tree has no sample_stats/log_p and log_q: build it with "
@@ -257,8 +279,9 @@ def check_guide(guide, params, model, *args, num_samples=4000, rng_key=None, **k
     statistic, different draws and tail fit) and, for calibration across simulated data sets, its
     ``numpyro.infer.calibration.vsbc_diagnostic`` (Yao et al. 2018, Sec. 3).
     """
-    from numpyro_blr.diagnostics.convert import posterior_draws
+    from numpyro_blr.diagnostics.convert import check_arguments, posterior_draws
 
+    check_arguments("check_guide", guide, params, model, args, kwargs)
     draws = posterior_draws(guide, params, *args, num_samples=num_samples, rng_key=rng_key, **kwargs)
     log_p, log_q = log_densities(guide, params, model, draws, *args, **kwargs)
     return psis(log_p, log_q)
