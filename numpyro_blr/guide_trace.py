@@ -319,6 +319,24 @@ def unread_params(fn, params, names):
     return [k for k in names if k not in used]
 
 
+def passthrough_params(fn, params, other, fallback, who):
+    """The parameters an optimizer leaves as they are: without a fallback, ``other`` (the layout has
+    already checked that they are all ``"$params"`` placeholders), provided the loss reads none of
+    them; with a fallback, none. Raises naming the parameters the loss does read."""
+    if fallback is not None or not other:
+        return ()
+    read = sorted(set(other) - set(unread_params(fn, params, other)))
+    if read:
+        from numpyro_blr.layout import GuideLayoutError
+
+        raise GuideLayoutError(
+            f"{who}: the loss reads the parameter(s) {read}, which are not part of a Gaussian guide "
+            "(a module weight without a prior?); pass fallback=optax.adam(1e-3) (or another optimizer) "
+            "to update them."
+        )
+    return tuple(other)
+
+
 def as_optax(fallback):
     """``fallback`` as an ``optax.GradientTransformation``: an optax one as it is, a NumPyro optimizer
     (``numpyro.optim.Adam(1e-3)``, ``optax_to_numpyro(...)``) through its ``init_fn``/``update_fn``/

@@ -51,8 +51,8 @@ from numpyro_blr.guide_trace import (
     check_loss,
     guide_call_args,
     is_autoguide,
+    passthrough_params,
     trace_layout,
-    unread_params,
 )
 from numpyro_blr.rules.blr import (
     diagonal_precision_update,
@@ -499,16 +499,7 @@ class BLR(_NumPyroOptim):
         params = s.params
         layout = self.layout(params)
         check_loss(fn, params, layout, read_by_names=not self.traced)  # trace time only
-        passthrough = ()
-        if self.fallback is None and layout.other:  # only "$params" placeholders (checked by layout)
-            passthrough = layout.other
-            read = sorted(set(passthrough) - set(unread_params(fn, params, passthrough)))
-            if read:
-                raise GuideLayoutError(
-                    f"nb.BLR: the loss reads the parameter(s) {read}, which are not part of a Gaussian guide "
-                    "(a module weight without a prior?); pass fallback=optax.adam(1e-3) (or another optimizer) "
-                    "to update them."
-                )
+        passthrough = passthrough_params(fn, params, layout.other, self.fallback, "nb.BLR")
         hessian = self.hessian_for(params, layout)
         (loss, aux), grads, stats, points, joint_hess = estimate(
             fn, params, layout, hessian, self.delta, forward_mode, self.point_hessian
@@ -577,7 +568,10 @@ class BLR(_NumPyroOptim):
                     new_params[b.loc] = m - lr * mbar
                     direction[b.loc] = u
                 else:
-                    w = st.whitened if st.whitened is not None else tril.T @ st.h @ tril
+                    w = st.whitened
+                    if w is None:  # the exact Hessian: whiten it here, symmetric to rounding
+                        w = tril.T @ st.h @ tril
+                        w = 0.5 * (w + w.T)
                     new_tril = full_scale_tril_update(tril, None, lr, self.improved, w)
                     new_params[b.loc] = m - lr * (new_tril @ (new_tril.T @ mbar))
                     new_params[b.scale] = b.transform.inv(new_tril)

@@ -64,7 +64,7 @@ from jax import lax
 from numpyro.optim import _NumPyroOptim, _value_and_grad
 
 from numpyro_blr.deep.ivon import IVONState, ivon
-from numpyro_blr.guide_trace import PLACEHOLDER_SUFFIX, as_optax, unread_params
+from numpyro_blr.guide_trace import PLACEHOLDER_SUFFIX, as_optax, passthrough_params
 from numpyro_blr.layout import DIAGONAL, GuideLayoutError, read_layout
 
 
@@ -80,9 +80,6 @@ class IVONSVIState(NamedTuple):
     nonfinite: jax.Array
     skipped: jax.Array
     fallback_state: Any
-
-
-_unread_params = unread_params  # shared with nb.BLR (numpyro_blr.guide_trace)
 
 
 def _finite(*trees):
@@ -167,16 +164,7 @@ class IVON(_NumPyroOptim):
         i, s = state
         params = s.params
         layout = self.layout(params)
-        passthrough = ()
-        if layout.other and self.fallback is None:  # only "$params" placeholders (checked by layout)
-            passthrough = layout.other
-            read = sorted(set(passthrough) - set(_unread_params(fn, params, passthrough)))
-            if read:
-                raise GuideLayoutError(
-                    f"IVON: the loss reads the parameter(s) {read}, which are not part of a Gaussian guide "
-                    "(a module weight without a prior?); pass fallback=optax.adam(1e-3) (or another optax "
-                    "optimizer) to update them."
-                )
+        passthrough = passthrough_params(fn, params, layout.other, self.fallback, "IVON")
         (loss, aux), grads = _value_and_grad(fn, x=params, forward_mode_differentiation=forward_mode)
         lam, delta = self.ess, self.delta
         m, h, g_bar, stat = {}, {}, {}, {}
