@@ -47,6 +47,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from numpyro_blr.core import all_finite as _all_finite
+from numpyro_blr.core import check_fraction, check_params
+from numpyro_blr.core import check_positive as _check_positive
+from numpyro_blr.core import is_number as _is_number
+from numpyro_blr.core import select as _select
+from numpyro_blr.core import value_at as _lr_at
+
 HESS_APPROX = ("price", "gradsq")
 
 
@@ -161,21 +168,6 @@ class IVONFunctions(NamedTuple):
 # ----------------------------------------------------------------------------- validation
 
 
-def _is_number(x):
-    return not isinstance(x, bool) and isinstance(x, (int, float, np.integer, np.floating))
-
-
-def _check_positive(x, name, allow_zero=False, allow_inf=False):
-    if not _is_number(x):
-        raise ValueError(f"{name} must be a number, got {x!r} of type {type(x).__name__}.")
-    x = float(x)
-    if math.isnan(x) or (math.isinf(x) and not allow_inf):
-        raise ValueError(f"{name} must be finite, got {x}.")
-    if x < 0 or (x == 0 and not allow_zero):
-        raise ValueError(f"{name} must be {'>= 0' if allow_zero else '> 0'}, got {x}.")
-    return x
-
-
 def _check_lr(lr):
     if callable(lr):
         return lr
@@ -183,9 +175,7 @@ def _check_lr(lr):
 
 
 def _check_beta(beta, name):
-    if not _is_number(beta) or not (0.0 <= float(beta) < 1.0):
-        raise ValueError(f"{name} must be a number in [0, 1), got {beta!r}.")
-    return float(beta)
+    return check_fraction(beta, name)
 
 
 def _check_ess(ess):
@@ -194,32 +184,6 @@ def _check_ess(ess):
             "ess (effective sample size) is required: set it to the number of training examples."
         )
     return _check_positive(ess, "ess")
-
-
-def check_params(params, what="params"):
-    """Raise ``ValueError`` unless ``params`` is a non-empty pytree of floating arrays of one dtype."""
-    leaves = jax.tree.leaves(params)
-    if not leaves:
-        raise ValueError(f"{what} has no array leaves.")
-    dtypes = {}
-    for path, leaf in jax.tree_util.tree_leaves_with_path(params):
-        dt = jnp.result_type(leaf)
-        if not jnp.issubdtype(dt, jnp.floating):
-            raise ValueError(
-                f"{what} leaf {jax.tree_util.keystr(path)} has non-floating dtype {dt}; "
-                "only floating-point parameters can be learned."
-            )
-        dtypes.setdefault(str(dt), jax.tree_util.keystr(path))
-    if len(dtypes) > 1:
-        raise ValueError(
-            f"{what} mixes dtypes {sorted(dtypes)} (e.g. leaves {sorted(dtypes.values())}); "
-            "cast all parameters to one floating dtype."
-        )
-    return leaves[0].dtype
-
-
-def _lr_at(lr, count):
-    return lr(count) if callable(lr) else lr
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -340,15 +304,6 @@ def _stack_samples(samples, like, what):
         f"{what} must be a pytree like the parameters (optionally with a leading Monte Carlo axis) "
         "or a list of such pytrees."
     )
-
-
-def _all_finite(*trees):
-    flags = [jnp.all(jnp.isfinite(x)) for t in trees for x in jax.tree.leaves(t)]
-    return jnp.all(jnp.stack(flags))
-
-
-def _select(ok, new, old):
-    return jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)
 
 
 def hessian_update(h, h_hat, beta2, delta):

@@ -1,0 +1,127 @@
+r"""The one algorithm shape every Table-1 row returns, and the mechanics they share.
+
+Every algorithm in the package (Khan & Rue 2023, Table 1: a posterior *family* x a
+natural-gradient *estimator* x the BLR *rule*) is an :class:`Algorithm`, as in blackjax::
+
+    algo = nb.ivon(lr=0.1, ess=50_000)
+    state = algo.init(params)                         # -> a State NamedTuple of arrays
+    state, info = algo.step(key, state, loss_or_batch)  # -> (State, Info), jit/vmap/scan-able
+    draws = algo.sample(key, state, n)                # n draws from q, leading axis n
+
+``init`` takes the user's parameters (or natural parameters) and options; ``step`` takes a PRNG
+key first, the state, then what the row needs to read :math:`\nabla_\mu \mathbb E_q[\ell]`
+(a loss function, a batch, per-example gradients); ``Info`` is a NamedTuple whose first two
+fields are ``loss`` (the value the step read, NaN when it has none) and ``skipped`` (True when
+the step was not finite and the state was kept). Functions beyond the three (predictive,
+mixture weights, ...) are module-level functions of the state.
+
+Names used across the package (one concept, one name):
+
+==================  ==========================================================================
+``precision``       the precision of the Gaussian :math:`q` (diagonal vector or full matrix)
+``scale_tril``      the Cholesky factor of the covariance, :math:`\Sigma = LL^\top`
+``hessian``         an estimate of :math:`\mathbb E_q[\nabla^2\ell]` fed to the precision step
+``lr``              the BLR step size :math:`\rho` (never anything else)
+``weight_decay``    the precision :math:`\delta` of a zero-mean Gaussian prior (deep rows)
+``ess``             effective sample size: the data-size scaling of the loss (deep rows)
+``estimator``       how :math:`\nabla_\mu \mathbb E_q[\ell]` is read: ``"delta"`` (at the mean),
+                    ``"reparam"`` (Bonnet/Price with samples), ``"autodiff"`` (exact Hessian)
+==================  ==========================================================================
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+class Algorithm(NamedTuple):
+    """``init(params, ...) -> State``; ``step(key, State, loss_or_batch) -> (State, Info)``;
+    ``sample(key, State, n) -> draws`` (pure functions)."""
+
+    init: Callable
+    step: Callable
+    sample: Callable
+
+
+class StepInfo(NamedTuple):
+    """What one step reports when a row has nothing more: the ``loss`` it read and whether the
+    step was ``skipped`` for being non-finite."""
+
+    loss: Any
+    skipped: Any
+
+
+# ----------------------------------------------------------------------------- step mechanics
+
+
+def all_finite(*trees):
+    """One boolean: every leaf of every tree is finite."""
+    flags = [jnp.all(jnp.isfinite(x)) for t in trees for x in jax.tree.leaves(t)]
+    return jnp.all(jnp.stack(flags)) if flags else jnp.asarray(True)
+
+
+def select(ok, new, old):
+    """``new`` where ``ok`` else ``old``, leaf by leaf (the skip-a-non-finite-step select)."""
+    return jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)
+
+
+def value_at(schedule, count):
+    """A constant or a schedule ``count -> value`` read at ``count``."""
+    return schedule(count) if callable(schedule) else schedule
+
+
+# ----------------------------------------------------------------------------- validators
+
+
+def is_number(x):
+    return not isinstance(x, bool) and isinstance(x, (int, float, np.integer, np.floating))
+
+
+def check_positive(x, name, allow_zero=False, allow_inf=False):
+    """``float(x)`` after checking it is a finite number > 0 (>= 0 with ``allow_zero``)."""
+    if not is_number(x):
+        raise ValueError(f"{name} must be a number, got {x!r} of type {type(x).__name__}.")
+    x = float(x)
+    if math.isnan(x) or (math.isinf(x) and not allow_inf):
+        raise ValueError(f"{name} must be finite, got {x}.")
+    if x < 0 or (x == 0 and not allow_zero):
+        raise ValueError(f"{name} must be {'>= 0' if allow_zero else '> 0'}, got {x}.")
+    return x
+
+
+def check_fraction(x, name, closed_low=True, closed_high=False):
+    """``float(x)`` after checking it lies in [0, 1) (ends per ``closed_low``/``closed_high``)."""
+    lo, hi = ("[" if closed_low else "("), ("]" if closed_high else ")")
+    ok = is_number(x) and (0.0 <= float(x) if closed_low else 0.0 < float(x)) and (
+        float(x) <= 1.0 if closed_high else float(x) < 1.0)
+    if not ok:
+        raise ValueError(f"{name} must be a number in {lo}0, 1{hi}, got {x!r}.")
+    return float(x)
+
+
+def check_params(params, what="params"):
+    """Raise ``ValueError`` unless ``params`` is a non-empty pytree of floating arrays of one dtype;
+    return that dtype."""
+    leaves = jax.tree.leaves(params)
+    if not leaves:
+        raise ValueError(f"{what} has no array leaves.")
+    dtypes = {}
+    for path, leaf in jax.tree_util.tree_leaves_with_path(params):
+        dt = jnp.result_type(leaf)
+        if not jnp.issubdtype(dt, jnp.floating):
+            raise ValueError(
+                f"{what} leaf {jax.tree_util.keystr(path)} has non-floating dtype {dt}; "
+                "only floating-point parameters can be learned."
+            )
+        dtypes.setdefault(str(dt), jax.tree_util.keystr(path))
+    if len(dtypes) > 1:
+        raise ValueError(
+            f"{what} mixes dtypes {sorted(dtypes)} (e.g. leaves {sorted(dtypes.values())}); "
+            "cast all parameters to one floating dtype."
+        )
+    return leaves[0].dtype
