@@ -94,6 +94,8 @@ class Run:
             jax.block_until_ready(losses)
             self.t_run = time.perf_counter() - t1
             final = jax.device_get(svi.get_params(state))
+        self.report = nb.fit_report(state, svi.optim) if isinstance(optim, nb.BLR) else None
+        self.loss_sd = self.report.loss_sd if self.report else float("nan")
         history = jax.device_get(history)
         self.checkpoints = [(i + 1) * every for i in range(n_chunks)]
         self.params = [jax.tree_util.tree_map(lambda x: x[i], history) for i in range(n_chunks)]

@@ -41,7 +41,7 @@ from jax import lax
 from jax.scipy.linalg import solve_triangular
 from numpyro.optim import _NumPyroOptim
 
-from numpyro_blr.estimators import HESSIANS, estimate
+from numpyro_blr.estimators import HESSIANS, at_mean, estimate
 from numpyro_blr import expfam_blocks
 from numpyro_blr.layout import DIAGONAL, EXPFAM, FULL, POINT, GuideLayoutError, read_layout
 from numpyro_blr.guide_trace import (
@@ -64,6 +64,7 @@ from numpyro_blr.rules.blr import (
 
 
 AUTODIFF_MAX_DIM = 256
+BACKTRACK_TRIES = 8
 
 
 def harmonic_decay(init_value=0.5, halving_steps=10):
@@ -129,7 +130,10 @@ class FitTrace(NamedTuple):
     ``gradient_last``  the last :math:`u`;
     ``persistence``    exponential average (weight 0.05, from 1) of :math:`\operatorname{sign}(u_t u_{t-1})`:
                        near 1 while the mean travels one way, near 0 once :math:`u` is noise;
-    ``halvings``       how many times the step size was halved after a non-finite step.
+    ``halvings``       how many times the step size was halved after a non-finite step;
+    ``damped``         how many mean steps backtracking shortened (:meth:`BLR._backtrack`);
+    ``damped_recent``  exponential average (weight 0.05) of whether the mean step was shortened;
+    ``damping``        the last step's factor :math:`\alpha` on the mean step (1: a full step).
     """
 
     clock: jax.Array
@@ -143,6 +147,9 @@ class FitTrace(NamedTuple):
     gradient_last: dict
     persistence: dict
     halvings: jax.Array
+    damped: jax.Array
+    damped_recent: jax.Array
+    damping: jax.Array
 
 
 class BLRState(NamedTuple):
@@ -272,6 +279,13 @@ class BLR(_NumPyroOptim):
     :param guide_args, guide_kwargs: the arguments to trace a hand-written guide with (those given
         to ``svi.run``); not needed when the guide takes none.
     :param prefix: the autoguide prefix (default ``"auto"``, or the guide's).
+    :param backtrack: damp the mean step by backtracking (default ``True``): when the step raises
+        this step's sample of the loss (common random numbers, control variate included), it is
+        shortened by factors of 4, down to no mean step (:meth:`_backtrack`). Where the local
+        quadratic model holds the full step is taken, so the fixed point and the speed near it are
+        unchanged; far from the optimum (saturated logits, curvature far below the true one) it
+        stops the mean from overshooting. Costs one loss evaluation per step (more only while
+        damping). The run's report counts the shortened steps.
     :param seed: seed of the draws the optimizer makes itself (the score-function estimator of
         large discrete ``ExpFamilyGuide`` sites); step ``t`` uses ``fold_in(PRNGKey(seed), t)``.
 
@@ -294,8 +308,10 @@ class BLR(_NumPyroOptim):
         guide_kwargs=None,
         prefix: Optional[str] = None,
         seed: int = 0,
+        backtrack: bool = True,
     ):
         self.lr = None if lr is None else _check_step_size(lr)
+        self.backtrack = bool(backtrack)
         if hessian is not None and hessian not in HESSIANS:
             raise ValueError(f"hessian must be one of {HESSIANS} or None, got {hessian!r}.")
         if delta and hessian in ("reparam", "price"):
@@ -422,6 +438,9 @@ class BLR(_NumPyroOptim):
             gradient_last={n: jnp.zeros_like(params[n]) for n in locs},
             persistence={n: jnp.ones_like(params[n]) for n in locs},
             halvings=jnp.array(0, jnp.int32),
+            damped=jnp.array(0, jnp.int32),
+            damped_recent=zero,
+            damping=jnp.ones((), dtype),
         )
         state = BLRState(
             params=dict(params),
@@ -513,12 +532,13 @@ class BLR(_NumPyroOptim):
         checked = {}  # parameter name -> arrays that must be finite for its update to be valid
         direction = {}  # block handle -> whitened step direction, for the adaptive step size
         whitened_grad = {}  # loc -> whitened mean gradient L^T g of this step (loc-shaped)
+        control = {}  # loc -> control variate S (z - m) subtracted from its sampled gradient
 
         joint = self._joint_diagonal(params, layout)
         new_mean_tril = s.mean_scale_tril
         if joint:
             new_mean_tril = self._joint_mean_step(
-                joint, params, stats, joint_hess, s, lr, t, new_params, new_mom, direction, whitened_grad
+                joint, params, stats, joint_hess, s, lr, t, new_params, new_mom, direction, whitened_grad, control
             )
 
         for j, b in enumerate(layout.blocks):
@@ -550,7 +570,8 @@ class BLR(_NumPyroOptim):
                     direction[b.loc] = jnp.concatenate([direction[b.loc]] + curvature)
                 else:
                     if st.offset is not None:
-                        g = g - _finite_or_zero(st.offset / scale**2)
+                        control[b.loc] = _finite_or_zero(st.offset / scale**2)
+                        g = g - control[b.loc]
                     new_mom[b.loc], mbar = momentum_update(s.momentum[b.loc], g, self.momentum, t)
                     new_params[b.loc] = m - lr * (mbar if st.h is None else mbar / prec)
                     u = scale * g
@@ -560,7 +581,8 @@ class BLR(_NumPyroOptim):
                 tril = b.transform(params[b.scale])
                 if st.offset is not None:  # S (z - m) = L^-T L^-1 (z - m)
                     whitened = solve_triangular(tril, st.offset, lower=True)
-                    g = g - _finite_or_zero(solve_triangular(tril.T, whitened, lower=False))
+                    control[b.loc] = _finite_or_zero(solve_triangular(tril.T, whitened, lower=False))
+                    g = g - control[b.loc]
                 new_mom[b.loc], mbar = momentum_update(s.momentum[b.loc], g, self.momentum, t)
                 u = tril.T @ g
                 whitened_grad[b.loc] = u
@@ -605,6 +627,14 @@ class BLR(_NumPyroOptim):
                 start += size
             direction["__points__"] = u
 
+        damping = jnp.ones((), dtype)
+        if self.backtrack:
+            locs = [b.loc for b in layout.blocks if b.kind != EXPFAM]
+            if locs:
+                damping = self._backtrack(fn, params, new_params, locs, loss, control, self.delta and layout)
+                for n in locs:
+                    new_params[n] = params[n] + damping.astype(params[n].dtype) * (new_params[n] - params[n])
+
         new_fb = s.fallback_state
         if layout.other and not passthrough:  # passthrough placeholders stay as they are
             other_g = {k: grads[k] for k in layout.other}
@@ -622,7 +652,7 @@ class BLR(_NumPyroOptim):
         finite = {k: all_finite(arrs) for k, arrs in checked.items()}
         ok = loss_ok & functools.reduce(jnp.logical_and, finite.values(), jnp.array(True))
 
-        trace = self._next_trace(s.trace, i, ok, loss, lr, direction, whitened_grad, schedule if adaptive else None)
+        trace = self._next_trace(s.trace, i, ok, loss, lr, direction, whitened_grad, schedule if adaptive else None, damping)
         new_state = BLRState(new_params, new_mom, new_point_prec, new_mean_tril, new_fb, s.nonfinite, s.nonfinite_steps, trace)
         # Selections, not lax.cond: a conditional inside SVI.run's scan costs about 5 us per step
         # on CPU (as much as a whole Adam step on a small model), a select is fused for free.
@@ -638,7 +668,50 @@ class BLR(_NumPyroOptim):
         new_state = new_state._replace(nonfinite=flags)
         return (loss, aux), (t, keep(new_state, kept)._replace(trace=trace))
 
-    def _joint_mean_step(self, joint, params, stats, hess, s, lr, t, new_params, new_mom, direction, whitened_grad):
+    @staticmethod
+    def _backtrack(fn, params, new_params, locs, loss, control, mean_layout=None, shrink=0.25, tries=BACKTRACK_TRIES):
+        r"""Damping :math:`\alpha \in [0, 1]` of the mean step: backtracking on this step's sample of the loss.
+
+        The loss of a step is :math:`f(m) = \ell(m + L\varepsilon) + \log q`, with the draw
+        :math:`\varepsilon` fixed for the step (common random numbers); its :math:`\log q` term does not
+        depend on the mean. With the control variate :math:`c = S(z - m)` (zero-mean) subtracted from
+        the gradient, the mean step :math:`\Delta` is a Newton step on
+        :math:`\phi(m') = f(m') - (m' - m)^\top c`, whose expectation is :math:`f`'s; for a Gaussian
+        posterior and :math:`S = H`, :math:`\phi(m + \Delta) - \phi(m)` is the deterministic
+        :math:`-\rho(1-\rho/2)\lVert m - m^*\rVert_H^2`. So :math:`\alpha = 1` wherever the quadratic
+        model holds, and the step is unchanged. Where it fails (saturated logits, a curvature far
+        below the true one, a mean far in the tail), :math:`\alpha` is the first of
+        :math:`1, 1/4, 1/16, \dots` at which :math:`\phi` does not rise, and 0 when none of ``tries``
+        does: the mean cannot overshoot (damped Newton; Nocedal & Wright 2006, Sec. 3.1). With the
+        delta method (``mean_layout``), :math:`f` is the loss at the mean. One loss evaluation per try.
+        """
+        delta = {n: new_params[n] - params[n] for n in locs}
+        at = (lambda p: at_mean(p, mean_layout)) if mean_layout else (lambda p: p)
+        loss0 = jnp.asarray(fn(at(params))[0] if mean_layout else loss)
+        slope = sum((jnp.sum(delta[n] * control[n]) for n in control), jnp.zeros((), loss0.dtype))
+        tol = 4.0 * jnp.finfo(loss0.dtype).eps * jnp.abs(loss0)
+
+        def value(alpha):
+            p = dict(params)
+            for n in locs:
+                p[n] = params[n] + alpha.astype(params[n].dtype) * delta[n]
+            return jnp.asarray(fn(at(p))[0], loss0.dtype) - alpha * slope
+
+        def cond(c):
+            k, _, accepted = c
+            return (~accepted) & (k < tries)
+
+        def body(c):
+            k, _, _ = c
+            alpha = jnp.asarray(shrink, loss0.dtype) ** k
+            val = value(alpha)
+            return k + 1, alpha, jnp.isfinite(val) & (val <= loss0 + tol)
+
+        start = (jnp.zeros((), jnp.int32), jnp.ones((), loss0.dtype), jnp.zeros((), bool))
+        _, alpha, accepted = lax.while_loop(cond, body, start)
+        return jnp.where(accepted, alpha, 0.0)
+
+    def _joint_mean_step(self, joint, params, stats, hess, s, lr, t, new_params, new_mom, direction, whitened_grad, control):
         r"""Mean step of the diagonal blocks preconditioned by a dense precision :math:`P` across them.
 
         :math:`P` (stored as the Cholesky factor of :math:`P^{-1}`) takes the same BLR step as a
@@ -655,7 +728,12 @@ class BLR(_NumPyroOptim):
         offsets = [stats[b.loc].offset for b in joint]
         if all(o is not None for o in offsets):
             offset = jnp.concatenate([o.reshape(-1) for o in offsets])
-            g = g - _finite_or_zero(solve_triangular(tril.T, solve_triangular(tril, offset, lower=True), lower=False))
+            cv = _finite_or_zero(solve_triangular(tril.T, solve_triangular(tril, offset, lower=True), lower=False))
+            g = g - cv
+            start = 0
+            for b, size in zip(joint, sizes):
+                control[b.loc] = cv[start : start + size].reshape(params[b.loc].shape)
+                start += size
         mom = jnp.concatenate([s.momentum[b.loc].reshape(-1) for b in joint])
         mom, mbar = momentum_update(mom, g, self.momentum, t)
         w = tril.T @ hess @ tril
@@ -673,8 +751,9 @@ class BLR(_NumPyroOptim):
         return new_tril
 
     @staticmethod
-    def _next_trace(trace, i, ok, loss, lr, direction, whitened_grad, schedule):
+    def _next_trace(trace, i, ok, loss, lr, direction, whitened_grad, schedule, damping):
         """The run's evidence after this step; with the adaptive step size, its clock too."""
+        short = damping < 1
         v = jnp.concatenate([direction[k] for k in sorted(direction)]) if direction else trace.direction
         v = v.astype(trace.direction.dtype)
         clock, halvings = trace.clock, trace.halvings
@@ -718,6 +797,9 @@ class BLR(_NumPyroOptim):
             gradient_last=last,
             persistence=persistence,
             halvings=halvings,
+            damped=trace.damped + jnp.where(ok & short, 1, 0).astype(trace.damped.dtype),
+            damped_recent=jnp.where(ok, 0.95 * trace.damped_recent + 0.05 * short, trace.damped_recent),
+            damping=jnp.where(ok, damping, trace.damping).astype(trace.damping.dtype),
         )
 
 

@@ -17,8 +17,11 @@ def gradient_descent(lr=0.01, momentum=0.0, **kwargs):
     r"""Gradient descent :math:`m \leftarrow m - \rho \nabla\ell(m)` (Khan & Rue 2023, Sec. 1.3).
 
     BLR with a Gaussian of fixed covariance (identity precision) and the delta method; the
-    guide's scale is left untouched. With ``momentum`` it is heavy-ball gradient descent.
+    guide's scale is left untouched. With ``momentum`` it is heavy-ball gradient descent. The step
+    is taken as given (``backtrack=False``: no damping of steps that raise the loss), as in the
+    classic algorithm.
     """
+    kwargs.setdefault("backtrack", False)
     return BLR(lr, hessian="none", delta=True, momentum=momentum, **kwargs)
 
 

@@ -16,7 +16,12 @@ parameters (and, with the guide, the sites) concerned and the one change that fi
   to step (``FitTrace.persistence`` above ``UNCONVERGED_PERSISTENCE``; Monte Carlo noise gives
   0 +- 0.16) while its geometric average is above ``UNCONVERGED_SDS``;
 * **collapsed variance**: a standard deviation at the rounding level of its mean
-  (below ``COLLAPSE_EPS`` machine epsilons times :math:`\max(1, |m|)`).
+  (below ``COLLAPSE_EPS`` machine epsilons times :math:`\max(1, |m|)`);
+* **still damped**: backtracking (:meth:`~numpyro_blr.BLR._backtrack`) still shortened the mean
+  step on more than ``DAMPED_FRACTION`` of the recent steps (``FitTrace.damped_recent``): the
+  local quadratic model of the loss keeps failing where the fit ended. Steps damped early in a
+  run, while the fit travels from a far initialisation, are the mechanism working as intended
+  and are only counted in the report's summary line.
 """
 
 from typing import NamedTuple
@@ -32,6 +37,7 @@ UNCONVERGED_SDS = 1.0
 UNCONVERGED_PERSISTENCE = 0.7
 COLLAPSE_EPS = 10.0
 MIN_STEPS = 10  # no verdict on convergence before this many steps
+DAMPED_FRACTION = 0.3
 
 
 class FitReport(NamedTuple):
@@ -50,11 +56,14 @@ class FitReport(NamedTuple):
     collapsed: list  # scale parameters at the rounding level of their means
     problems: list
     problem_keys: list  # one hashable key per problem (its kind and the names concerned), for warning once
+    damped_steps: int = 0  # mean steps shortened by backtracking
+    damped_recent: float = 0.0  # recent fraction of such steps (exponential average, weight 0.05)
 
     def __str__(self):
         lines = [
             f"nb.BLR fit: {self.steps} steps, step size now {self.step_size:.3g}, loss average {self.loss_average:.6g} "
-            f"(best {self.loss_best:.6g}, noise sd {self.loss_sd:.3g}), {self.skipped_steps} skipped step(s)"
+            f"(best {self.loss_best:.6g}, noise sd {self.loss_sd:.3g}), {self.skipped_steps} skipped step(s), "
+            f"{self.damped_steps} mean step(s) shortened by backtracking"
         ]
         lines += [f"  - {p}" for p in self.problems] or ["  no problem found"]
         return "\n".join(lines)
@@ -176,4 +185,17 @@ def fit_report(result, optimizer=None, guide=None):
         )
         keys.append(("collapsed",) + tuple(collapsed))
 
-    return FitReport(steps, skipped, bad_params, rho, halvings, avg, best, sd, diverged, unconverged, collapsed, problems, keys)
+    damped = int(getattr(tr, "damped", 0))
+    damped_recent = float(getattr(tr, "damped_recent", 0.0))
+    if damped_recent > DAMPED_FRACTION and steps >= MIN_STEPS and not diverged:
+        problems.append(
+            f"nb.BLR: the mean step was still shortened by backtracking on {100 * damped_recent:.0f}% of the "
+            f"recent steps ({damped} of {steps} in all): the loss is far from quadratic where the fit ended "
+            "(saturated likelihood terms, a funnel or heavy-tailed posterior), so the fit may be short of the "
+            "optimum. Reparameterise the site (LocScaleReparam for a hierarchical scale), or pass "
+            "hessian='reparam'."
+        )
+        keys.append(("damped",))
+
+    return FitReport(steps, skipped, bad_params, rho, halvings, avg, best, sd, diverged, unconverged, collapsed,
+                     problems, keys, damped, damped_recent)
