@@ -91,8 +91,7 @@ class adaptive_decay:  # noqa: N801 - used like a schedule function
     :math:`\min(1, 2f)`, where :math:`f = \sum_j (-p_j)_+ / \sum_j |p_j|`, :math:`p_j = v_j v'_j` the
     products of the coordinates of the whitened step :math:`v` (:math:`L^\top\hat g` for the mean,
     :math:`\operatorname{diag}(L^\top \hat H L) - 1` for the precision) and of the previous one
-    :math:`v'`: the size-weighted fraction of coordinates whose sign changed, computed for the
-    mean part and the curvature part apart, the smaller of the two. This is Kesten's rule (Kesten 1958;
+    :math:`v'`: the size-weighted fraction of coordinates whose sign changed. This is Kesten's rule (Kesten 1958;
     multivariate: Delyon & Juditsky 1993): while the fit is still travelling, successive steps
     point the same way (:math:`f \approx 0`) and :math:`\rho` stays at :math:`\rho_0`, so early
     estimates taken far from the posterior are forgotten geometrically; once the steps are Monte
@@ -763,22 +762,8 @@ class BLR(_NumPyroOptim):
             # their size: one coordinate still travelling (a scale whose precision is far too high)
             # outweighs many that are noise, and a small bias in noisy coordinates only slows the clock
             products = v * trace.direction
-
-            def changed_fraction(p):
-                total = jnp.sum(jnp.abs(p))
-                return jnp.where(total > 0, jnp.sum(jnp.maximum(-p, 0.0)) / jnp.where(total > 0, total, 1.0), 1.0)
-
-            # the mean part and the curvature part are tested apart, and the clock advances by the
-            # smaller fraction: a mean still drifting under noisy curvature estimates (a funnel, a
-            # heavy-tailed scale) keeps rho up, as does a precision still far off under a noisy mean
-            changed = changed_fraction(products)
-            if direction:
-                mask = np.concatenate([  # static: which coordinates of v are whitened mean gradients
-                    np.arange(direction[k].size) < (whitened_grad[k].size if k in whitened_grad else direction[k].size)
-                    for k in sorted(direction)])
-                if mask.any() and not mask.all():
-                    changed = jnp.minimum(changed_fraction(jnp.where(mask, products, 0.0)),
-                                          changed_fraction(jnp.where(mask, 0.0, products)))
+            total = jnp.sum(jnp.abs(products))
+            changed = jnp.where(total > 0, jnp.sum(jnp.maximum(-products, 0.0)) / jnp.where(total > 0, total, 1.0), 1.0)
             advance = jnp.where(i > 0, jnp.minimum(1.0, 2.0 * changed), 0.0)
             clock = jnp.where(ok, clock + advance, 2.0 * clock + schedule.halving_steps)
             halvings = halvings + jnp.where(ok, 0, 1).astype(halvings.dtype)
