@@ -6,7 +6,7 @@ import numpyro
 import pytest
 from conftest import logistic_model
 from numpyro.diagnostics import effective_sample_size
-from numpyro.infer import MCMC, NUTS, SVI, Trace_ELBO
+from numpyro.infer import SVI, Trace_ELBO
 from numpyro.infer.autoguide import AutoMultivariateNormal
 
 import numpyro_blr as nb
@@ -15,11 +15,9 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def nuts_reference(breast_cancer):
-    X, y = breast_cancer
-    mcmc = MCMC(NUTS(logistic_model), num_warmup=500, num_samples=1500, num_chains=2, chain_method="sequential", progress_bar=False)
-    mcmc.run(jax.random.PRNGKey(0), X, y)
-    w = np.asarray(mcmc.get_samples(group_by_chain=True)["w"])  # (chains, draws, 31)
+def nuts_reference(breast_cancer_nuts):
+    # conftest.py: 2 chains x (500 warmup, 1500 draws), shared with test_diagnostics.py
+    w = np.asarray(breast_cancer_nuts.get_samples(group_by_chain=True)["w"])  # (chains, draws, 31)
     ess = effective_sample_size(w)
     flat = w.reshape(-1, w.shape[-1])
     return flat.mean(0), flat.std(0), ess

@@ -9,7 +9,7 @@ import numpy as np
 import numpyro
 import numpyro.distributions as dist
 import pytest
-from numpyro.infer import MCMC, NUTS, SVI, Trace_ELBO
+from numpyro.infer import SVI, Trace_ELBO
 from numpyro.infer.autoguide import AutoDelta, AutoDiagonalNormal, AutoMultivariateNormal, AutoNormal
 
 import numpyro_blr as nb
@@ -280,14 +280,13 @@ def test_plots_write_pngs(glm_fit, tmp_path):
 
 # -- accuracy against NUTS ------------------------------------------------------------------------
 @pytest.mark.slow
-def test_loo_of_blr_fit_matches_nuts(breast_cancer):
+def test_loo_of_blr_fit_matches_nuts(breast_cancer, breast_cancer_nuts):
     X, y = breast_cancer
     guide = AutoMultivariateNormal(logistic_model)
     res = SVI(logistic_model, guide, nb.BLR(), Trace_ELBO()).run(jax.random.PRNGKey(0), 300, X, y, progress_bar=False)
     tree = nd.to_datatree(guide, res.params, logistic_model, X, y, num_samples=2000, rng_key=jax.random.PRNGKey(1), posterior_predictive=False)
-    mcmc = MCMC(NUTS(logistic_model), num_warmup=500, num_samples=1000, num_chains=2, chain_method="sequential", progress_bar=False)
-    mcmc.run(jax.random.PRNGKey(2), X, y)
-    ref = az.from_numpyro(mcmc, log_likelihood=True)
+    # the session's NUTS reference (conftest.py, shared with test_accuracy.py): 2 chains x 1500 draws
+    ref = az.from_numpyro(breast_cancer_nuts, log_likelihood=True)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         elpd_nuts = az.loo(ref).elpd
