@@ -60,6 +60,7 @@ def test_hand_written_normal_guide_reaches_the_exact_mean_field_posterior():
     assert block.scale_constraint is constraints.positive  # an exp transform, read from the guide
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("constraint", [constraints.lower_cholesky, constraints.scaled_unit_lower_cholesky])
 def test_hand_written_multivariate_normal_guide_reaches_the_exact_posterior(constraint):
     mean, cov, _ = exact_posterior()
@@ -170,6 +171,7 @@ def beta_guide(y=None):
 COINS = jnp.array([1.0] * 14 + [0.0] * 6)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("make", [lambda: optax.adam(0.05), lambda: numpyro.optim.Adam(0.05)], ids=["optax", "numpyro"])
 def test_fallback_fits_a_guide_with_no_gaussian_exactly_as_it_alone_would(make):
     blr = SVI(beta_model, beta_guide, nb.BLR(fallback=make()), Trace_ELBO()).run(
@@ -182,6 +184,7 @@ def test_fallback_fits_a_guide_with_no_gaussian_exactly_as_it_alone_would(make):
     assert abs(float(mean) - 15 / 22) < 0.05  # posterior Beta(15, 7)
 
 
+@pytest.mark.slow
 def test_flow_guide_is_fitted_by_the_fallback_as_by_it_alone():
     """A normalizing flow (its weights are '$params' pytrees the loss reads) has no Gaussian BLR can step."""
     from numpyro.infer.autoguide import AutoIAFNormal
@@ -194,6 +197,7 @@ def test_flow_guide_is_fitted_by_the_fallback_as_by_it_alone():
     assert np.mean(blr.losses[-10:]) < np.mean(blr.losses[:10])
 
 
+@pytest.mark.slow
 def test_hand_written_guide_with_a_gaussian_and_a_beta_site():
     """The Normal site is read by tracing and stepped by the BLR; the Beta site's parameters go to the fallback."""
 
@@ -231,6 +235,7 @@ def _eqx_linear():
     return eqx.nn.Linear(D, 1, key=jax.random.PRNGKey(0))
 
 
+@pytest.mark.slow
 def test_fallback_updates_a_pytree_valued_parameter():
     """eqx_module registers the whole module's weights as one parameter (a pytree)."""
     from numpyro.contrib.module import eqx_module
@@ -265,6 +270,7 @@ def _random_eqx_model(prior):
     return net_model
 
 
+@pytest.mark.slow
 def test_unread_module_placeholder_is_passed_through():
     net_model = _random_eqx_model(dist.Normal(0.0, 1.0))
     svi = SVI(net_model, AutoNormal(net_model), nb.BLR(), Trace_ELBO())

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import numpyro
 import numpyro.distributions as dist
+import pytest
 from numpyro.infer import SVI, Trace_ELBO
 from numpyro.infer.autoguide import AutoMultivariateNormal, AutoNormal
 
@@ -32,6 +33,7 @@ def _linear(X, y):
     numpyro.sample("y", dist.Normal(X @ w, 0.5), obs=y)
 
 
+@pytest.mark.slow
 def test_backtracking_is_a_no_op_on_a_quadratic_loss():
     """Linear-Gaussian model: phi(m + Delta) - phi(m) <= -rho/2 |g|^2_{S_new^-1} for every step,
     so no step is shortened and the run equals backtrack=False to rounding."""
@@ -53,6 +55,7 @@ def _logistic_mvn_prior(X, y, loc, cov):
     numpyro.sample("y", dist.Bernoulli(logits=X @ w), obs=y)
 
 
+@pytest.mark.slow
 def test_saturating_raw_predictors_match_the_standardised_fit():
     """Logistic regression on predictors of size ~1e3 (an intercept column, then raw columns):
     from NumPyro's initialisation every logit saturates, the sampled Hessian is ~0 and an

@@ -298,6 +298,7 @@ def test_unsupported_prior_is_named():
         conjugate_fit(model, jnp.array([1.0, 2.0]))
 
 
+@pytest.mark.slow
 def test_gamma_poisson_real_data_against_nuts():
     from numpyro.infer import MCMC, NUTS
     from sklearn.datasets import load_linnerud

@@ -85,6 +85,7 @@ def test_tree_groups_dims_and_draws(glm_fit):
     np.testing.assert_allclose(tree["log_likelihood"].ds["y"].values[0, :5], ll, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_plated_and_vector_sites_autonormal():
     def model(sigma, y=None):
         mu = numpyro.sample("mu", dist.Normal(0.0, 5.0))
@@ -129,6 +130,7 @@ def test_loo_and_compare_run_on_tree(glm_fit):
 
 
 # -- is the fit trustworthy? ---------------------------------------------------------------------
+@pytest.mark.slow
 def test_khat_good_for_near_gaussian_posterior(glm_fit):
     X, y, guide, res, tree = glm_fit
     result = nd.check_guide(guide, res.params, glm, X, y, num_samples=4000, rng_key=jax.random.PRNGKey(3))
@@ -172,6 +174,7 @@ def test_exact_posterior_gives_uniform_weights():
     assert nd.psis(np.zeros(100), np.zeros(100)).khat == -np.inf
 
 
+@pytest.mark.slow
 def test_khat_flags_centered_eight_schools_mean_field():
     # the mean-field family cannot fit the funnel of the centred eight schools, whatever the optimizer
     # (nb.BLR() gives k-hat ~ 1.0-1.2 too; Adam is used here because it compiles in a tenth of the time)
@@ -313,6 +316,7 @@ def _arg_fit():
     return guide, result, X, y
 
 
+@pytest.mark.slow
 def test_diagnostics_check_argument_order_and_types():
     from numpyro_blr.diagnostics import DiagnosticsError, check_fit, check_guide, to_datatree
 

@@ -100,6 +100,7 @@ def test_identities(name):
     close(r["log_prob"], r["log_prob_ref"], rtol=1e-10)
 
 
+@pytest.mark.slow
 def test_samples():
     """Monte Carlo means of every family's sampler (5 standard errors), the implicit
     reparameterisation gradient of the Gamma (d/da E[x] = 1/b), and the relaxed samplers' gradients.

@@ -41,6 +41,7 @@ def counts_fit():
     return guide, result
 
 
+@pytest.mark.slow
 def test_conjugate_counts_model_reaches_the_exact_posterior(counts_fit):
     """Gamma-Poisson and Dirichlet-Categorical are conjugate: the exact posterior is in the guide's
     family, so BLR's fixed point is the posterior itself. With 1500 averaged steps of 8 particles the
@@ -61,6 +62,7 @@ def test_conjugate_counts_model_reaches_the_exact_posterior(counts_fit):
     assert np.mean(result.losses[-100:]) < np.mean(result.losses[:20])
 
 
+@pytest.mark.slow
 def test_counts_model_against_nuts(counts_fit):
     """Posterior means within 0.1 NUTS-sd of NUTS (1000 draws: the NUTS mean's own MC error is
     ~0.03 sd for an ESS ~ 1000 (NUTS on this near-Gaussian posterior), the BLR error above ~0.05 sd)."""
@@ -89,6 +91,7 @@ def discrete_model():
     numpyro.sample("y2", dist.Normal(c, 0.8), obs=1.9)
 
 
+@pytest.mark.slow
 def test_discrete_sites_one_plain_step_is_the_exact_posterior():
     """With lr=1 and improved=False, one BLR step sets lambda = -grad_mu E_q[loss]; enumeration makes
     that gradient exact, so q is the exact posterior p(z | y1) and p(c | y2) after one step."""
@@ -114,6 +117,7 @@ def mixed_model(y):
         numpyro.sample("y", dist.Poisson(rate * (1.0 + 3.0 * z)), obs=y)
 
 
+@pytest.mark.slow
 def test_mixed_positive_simplex_discrete_runs_improves_and_stays_valid():
     y = jnp.array([1.0, 2.0, 9.0, 1.0, 11.0, 0.0])
     guide = ExpFamilyGuide(mixed_model)
@@ -177,6 +181,7 @@ def _score_estimates(block, loss_fn, params, replicates, samples=32):
     return jax.jit(jax.vmap(lambda k: expfam_blocks.grad_mu_score(block, loss_fn, params, k, samples)))(keys)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model", [binary_model, categorical_model], ids=["bernoulli", "categorical"])
 def test_score_function_gradient_is_unbiased(model):
     """Sites of 80 and 120 loss evaluations exceed max_enumerate=64, so nb.BLR uses the
@@ -294,6 +299,7 @@ def _mixture_model(y):
         numpyro.sample("y", dist.Normal(mu[z], 1.0), obs=y)
 
 
+@pytest.mark.slow
 def test_enumerated_site_is_left_to_trace_enum_elbo():
     from numpyro.infer import TraceEnum_ELBO
 

@@ -5,6 +5,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 HEAVY = ("arviz", "arviz_base", "xarray", "matplotlib")
 
 
@@ -23,6 +25,7 @@ def test_import_does_not_load_the_diagnostics_stack():
     assert _modules_after("import numpyro_blr as nb; nb.BLR(); nb.ExpFamilyGuide") == []
 
 
+@pytest.mark.slow
 def test_diagnostics_load_on_first_use():
     assert "arviz_base" in _modules_after("import numpyro_blr as nb; nb.diagnostics.check_fit")
     assert "xarray" in _modules_after("from numpyro_blr.diagnostics import to_datatree")

@@ -119,6 +119,7 @@ def mlp_model(x, y=None, hidden=16):
         numpyro.sample("y", dist.Categorical(logits=h), obs=y)
 
 
+@pytest.mark.slow
 def test_bayesian_mlp_trains_and_predicts():
     from sklearn.datasets import make_moons
 

@@ -58,6 +58,7 @@ def fits():
     return mix, singles
 
 
+@pytest.mark.slow
 def test_two_components_recover_modes_and_weights(fits):
     (opt, state), _ = fits
     order = np.argsort(np.asarray(state.means[:, 0]))
@@ -73,6 +74,7 @@ def test_two_components_recover_modes_and_weights(fits):
     np.testing.assert_allclose(pis, W, atol=0.05)
 
 
+@pytest.mark.slow
 def test_mixture_kl_is_below_best_single_gaussian(fits):
     (opt, state), singles = fits
     kl_mix, se_mix = _kl(opt, state)

@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import numpyro
 import numpyro.distributions as dist
+import pytest
 from numpyro.infer import SVI, Trace_ELBO
 from numpyro.infer.autoguide import AutoNormal
 
@@ -20,6 +21,7 @@ def model(y):
         numpyro.sample("y", dist.Normal(mu, 1.0), obs=y)
 
 
+@pytest.mark.slow
 def test_elbo_curve_matches_a_direct_evaluation_and_steps_to_reach():
     svi = SVI(model, AutoNormal(model), nb.BLR(), Trace_ELBO())
     key = jax.random.PRNGKey(7)

@@ -83,6 +83,7 @@ def small_logistic():
     return jnp.asarray(X, jnp.float32), jnp.asarray(y)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "guide_cls, hessian",
     [(AutoNormal, None), (AutoMultivariateNormal, None), (AutoDiagonalNormal, "reparam"), (AutoMultivariateNormal, "price")],
@@ -103,6 +104,7 @@ def test_run_progress_bar_and_stable_update_agree(small_logistic, guide_cls, hes
     assert results[0].losses[-5:].mean() < results[0].losses[:3].mean()
 
 
+@pytest.mark.slow
 def test_resume_through_init_state_equals_uninterrupted(small_logistic):
     X, y = small_logistic
     svi = SVI(logistic_model, AutoMultivariateNormal(logistic_model), nb.BLR(momentum=0.5), Trace_ELBO())
@@ -114,6 +116,7 @@ def test_resume_through_init_state_equals_uninterrupted(small_logistic):
     np.testing.assert_allclose(jnp.concatenate([first.losses, rest.losses]), full.losses, rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_predictive_and_sample_posterior(small_logistic):
     X, y = small_logistic
     guide = AutoMultivariateNormal(logistic_model)
@@ -131,6 +134,7 @@ def test_predictive_and_sample_posterior(small_logistic):
     assert accuracy > 0.7
 
 
+@pytest.mark.slow
 def test_autodelta_newton_reaches_map(small_logistic):
     """AutoDelta + Newton (delta method) vs numpyro's own BFGS (Minimize) on the same MAP problem."""
     X, y = small_logistic
@@ -145,6 +149,7 @@ def test_autodelta_newton_reaches_map(small_logistic):
         np.testing.assert_allclose(ours.params["w_auto_loc"], ref.params["w_auto_loc"], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_laplace_preset_matches_numpyro_laplace(small_logistic):
     """nb.laplace on AutoMultivariateNormal = mode by BFGS + covariance from AutoLaplaceApproximation."""
     from numpyro.infer.autoguide import AutoLaplaceApproximation
@@ -250,6 +255,7 @@ def test_nonfinite_step_is_skipped_and_reported(small_logistic):
     assert int(stable.state.optim_state[0]) == 0
 
 
+@pytest.mark.slow
 def test_guide_with_custom_scale_constraint(small_logistic):
     """A guide whose scales go through exp (constraints.positive): BLR reads it from guide=..."""
     from numpyro.distributions import constraints

@@ -55,6 +55,7 @@ def _run(model, guide, opt, steps, *args):
     return result, [str(w.message) for w in caught if "nb.BLR" in str(w.message)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("x64", [True, False], ids=["float64", "float32"])
 def test_default_on_uncentred_predictor_matches_exact_posterior(uncentred_data, x64):
     """From NumPyro's random initialisation the first curvature estimates are ~1e10 times the
@@ -73,6 +74,7 @@ def test_default_on_uncentred_predictor_matches_exact_posterior(uncentred_data, 
     assert messages == []
 
 
+@pytest.mark.slow
 def test_unfinished_run_says_so_and_names_the_site(uncentred_data):
     x, y = uncentred_data
     with jax.enable_x64(True):
@@ -96,6 +98,7 @@ def _linear_known_noise(X, y=None):
     numpyro.sample("y", dist.Normal(X @ w, 1.0), obs=y)
 
 
+@pytest.mark.slow
 def test_mean_field_guide_reaches_its_optimum_on_a_correlated_posterior():
     """Gaussian posterior with correlations 0.999: the mean-field optimum has the exact posterior
     mean and precision diag(P). A damped Jacobi mean step needs thousands of steps here; the
@@ -173,6 +176,7 @@ def test_step_sizes_are_checked_before_the_run(lr, match):
         nb.BLR(lr)
 
 
+@pytest.mark.slow
 def test_report_of_a_healthy_run_is_clean(uncentred_data):
     x, y = uncentred_data
     with jax.enable_x64(True):
