@@ -12,10 +12,17 @@ from sklearn.datasets import load_breast_cancer, load_diabetes
 
 # JAX's persistent compilation cache. The suite spends most of its time in XLA compilation (about
 # 80%: measured with jax.monitoring's backend_compile_duration), so a second run on the same
-# checkout reuses the executables of the first; a cold run (CI's fresh clone) also hits it for the
-# identical programs several tests compile. Every entry is kept (no minimum compile time or size).
+# checkout reuses the executables of the first (tests/test_any_guide.py: 55 s -> 23 s); a cold run
+# (CI's fresh clone) costs the same as without the cache (writing the entries is cheap, and the
+# programs several tests compile alike are read back). Every entry is kept (no minimum compile time
+# or size).
 # The directory is git-ignored; JAX_COMPILATION_CACHE_DIR (JAX's own variable) moves it, and
-# JAX_COMPILATION_CACHE_DIR= (empty) turns the cache off.
+# JAX_COMPILATION_CACHE_DIR= (empty) turns the cache off. pytest-xdist's workers (make test) share
+# it: JAX writes entries without a lock, so a worker reading an entry the other is writing gets a
+# warning and compiles the program itself (entries are zlib-compressed: a torn read fails its
+# checksum, it never loads a wrong executable). A size limit (jax_compilation_cache_max_size) is
+# not set: it makes every write re-scan the directory (thousands of entries). Delete .cache/ to
+# reclaim the space (~60 MB per version of the code).
 _CACHE_DIR = os.environ.get("JAX_COMPILATION_CACHE_DIR", str(pathlib.Path(__file__).resolve().parents[1] / ".cache" / "jax"))
 if _CACHE_DIR:
     jax.config.update("jax_compilation_cache_dir", _CACHE_DIR)
@@ -53,9 +60,10 @@ def diabetes_np():
 
 @pytest.fixture(scope="session")
 def breast_cancer_nuts(breast_cancer):
-    """The NUTS reference posterior of ``logistic_model`` on breast cancer, run once per session for
-    the tests that compare against it (test_accuracy.py, test_diagnostics.py): 2 chains of 500
-    warmup and 1500 draws. Returns the MCMC object (``get_samples``, ``az.from_numpyro``).
+    """The NUTS reference posterior of ``logistic_model`` on breast cancer, run once per session (once
+    per pytest-xdist worker that needs it) for the tests that compare against it (test_accuracy.py,
+    test_diagnostics.py): 2 chains of 500 warmup and 1500 draws. Returns the MCMC object
+    (``get_samples``, ``az.from_numpyro``).
 
     Each file used to run its own: test_accuracy 2 x 1500 draws with key 0, test_diagnostics
     2 x 1000 with key 2. This keeps the larger draw count (test_accuracy's tolerances are derived
