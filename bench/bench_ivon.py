@@ -23,7 +23,7 @@ from jax.flatten_util import ravel_pytree
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
 from digits_ivon import BATCH, SIZES, compare, init_mlp, load_data, loss_fn, make_ivon, print_summary  # noqa: E402
 
-from numpyro_blr.deep.ivon import standard_normal  # noqa: E402
+from numpyro_blr.tree import standard_normal  # noqa: E402
 
 
 def time_steps(step, carry, n=300):

@@ -24,7 +24,7 @@ import optax
 from sklearn.datasets import load_digits
 from sklearn.model_selection import train_test_split
 
-from numpyro_blr.deep import ivon
+from numpyro_blr.deep import ivon, predictive
 
 SIZES = (64, 128, 128, 10)
 BATCH = 64
@@ -186,7 +186,7 @@ def run_seed(data, epochs=60, seed=0, num_samples=32, ivon_kwargs=None, adamw_lr
     rows = []
     opt, state, t_ivon = train_ivon(data, epochs, seed, make_ivon(n, epochs, **(ivon_kwargs or {})))
     rows.append(("IVON @ mean", metrics(probs_fn(state.params, x_te), y_te), t_ivon))
-    pred = opt.predictive(jax.random.key(seed + 3), state, probs_fn, x_te, num_samples)
+    pred = predictive(jax.random.key(seed + 3), state, probs_fn, x_te, num_samples, sample=opt.sample)
     rows.append((f"IVON {num_samples}-sample", metrics(pred, y_te), t_ivon))
     for name, tx in [("AdamW", adamw(adamw_lr or ADAMW_LR, epochs, n)), ("SGD+momentum", sgd(sgd_lr or SGD_LR, epochs, n))]:
         params, t = train_optax(tx, data, epochs, seed)
@@ -272,7 +272,7 @@ def tune(epochs=60, seeds=(0, 1, 2, 3, 4), num_samples=32, stage=2):
     def ivon_val(**kw):
         def one(seed):
             opt, state, _ = train_ivon(data, epochs, seed, make_ivon(n, epochs, **kw))
-            return metrics(opt.predictive(jax.random.key(seed + 3), state, probs_fn, x_va, num_samples), y_va)
+            return metrics(predictive(jax.random.key(seed + 3), state, probs_fn, x_va, num_samples, sample=opt.sample), y_va)
         return _mean_se([one(s) for s in seeds])
 
     def optax_val(make):
@@ -335,7 +335,7 @@ def paired_resolution(epochs=60, seeds=(0, 1, 2, 3, 4), num_samples=32, boot=100
     p_ivon, p_adamw = [], []
     for seed in seeds:
         opt, state, _ = train_ivon(data, epochs, seed, make_ivon(n, epochs))
-        p_ivon.append(np.asarray(opt.predictive(jax.random.key(seed + 3), state, probs_fn, x_te, num_samples), np.float64))
+        p_ivon.append(np.asarray(predictive(jax.random.key(seed + 3), state, probs_fn, x_te, num_samples, sample=opt.sample), np.float64))
         params, _ = train_optax(adamw(ADAMW_LR, epochs, n), data, epochs, seed)
         p_adamw.append(np.asarray(probs_fn(params, x_te), np.float64))
     draws = bootstrap_draws(len(y_te), boot)
@@ -364,7 +364,7 @@ def cross_validated(epochs=60, seeds=(0, 1, 2, 3, 4), folds=5, num_samples=32, b
         data = (x[tr], x[te], y[tr], y[te])
         for k, seed in enumerate(seeds):
             opt, state, _ = train_ivon(data, epochs, seed, make_ivon(len(tr), epochs))
-            p_ivon[k, te] = np.asarray(opt.predictive(jax.random.key(seed + 3), state, probs_fn, x[te], num_samples))
+            p_ivon[k, te] = np.asarray(predictive(jax.random.key(seed + 3), state, probs_fn, x[te], num_samples, sample=opt.sample))
             params, _ = train_optax(adamw(ADAMW_LR, epochs, len(tr)), data, epochs, seed)
             p_adamw[k, te] = np.asarray(probs_fn(params, x[te]))
             params, _ = train_optax(sgd(SGD_LR, epochs, len(tr)), data, epochs, seed)

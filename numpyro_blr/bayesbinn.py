@@ -38,7 +38,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from numpyro_blr.deep.ivon import _all_finite, _select, _stack_samples, check_params
+from numpyro_blr.core import all_finite as _all_finite
+from numpyro_blr.core import check_params
+from numpyro_blr.core import select as _select
+from numpyro_blr.tree import stack_samples as _stack_samples
 
 
 class BayesBiNNState(NamedTuple):

@@ -4,15 +4,19 @@ Every algorithm in the package (Khan & Rue 2023, Table 1: a posterior *family* x
 natural-gradient *estimator* x the BLR *rule*) is an :class:`Algorithm`, as in blackjax::
 
     algo = nb.ivon(lr=0.1, ess=50_000)
-    state = algo.init(params)                         # -> a State NamedTuple of arrays
-    state, info = algo.step(key, state, loss_or_batch)  # -> (State, Info), jit/vmap/scan-able
-    draws = algo.sample(key, state, n)                # n draws from q, leading axis n
+    state = algo.init(params)                              # -> a State NamedTuple of arrays
+    state, info = algo.step(key, state, loss_fn, *batch)   # -> (State, Info), jit/vmap/scan-able
+    draws = algo.sample(key, state, n)                     # n draws from q, leading axis n
+    state, info = algo.update(state, estimate)             # the rule alone, on an Estimate
 
 ``init`` takes the user's parameters (or natural parameters) and options; ``step`` takes a PRNG
 key first, the state, then what the row needs to read :math:`\nabla_\mu \mathbb E_q[\ell]`
-(a loss function, a batch, per-example gradients); ``Info`` is a NamedTuple whose first two
+(a loss function and its batch, a per-example loss); it is the row's estimator
+(:mod:`numpyro_blr.estimators`) followed by ``update``, the row's rule (:mod:`numpyro_blr.rules`)
+applied to the :class:`~numpyro_blr.estimators.Estimate`, which is also exposed for estimates
+computed elsewhere (a custom loop, other devices). ``Info`` is a NamedTuple whose first two
 fields are ``loss`` (the value the step read, NaN when it has none) and ``skipped`` (True when
-the step was not finite and the state was kept). Functions beyond the three (predictive,
+the step was not finite and the state was kept). Functions beyond these (:func:`predictive`,
 mixture weights, ...) are module-level functions of the state.
 
 Names used across the package (one concept, one name):
@@ -40,12 +44,14 @@ import numpy as np
 
 
 class Algorithm(NamedTuple):
-    """``init(params, ...) -> State``; ``step(key, State, loss_or_batch) -> (State, Info)``;
-    ``sample(key, State, n) -> draws`` (pure functions)."""
+    """``init(params, ...) -> State``; ``step(key, State, loss_fn, *batch) -> (State, Info)``;
+    ``sample(key, State, n) -> draws`` (leading axis ``n``); ``update(State, Estimate) -> (State, Info)``
+    (pure functions)."""
 
     init: Callable
     step: Callable
     sample: Callable
+    update: Callable
 
 
 class StepInfo(NamedTuple):
@@ -73,6 +79,17 @@ def select(ok, new, old):
 def value_at(schedule, count):
     """A constant or a schedule ``count -> value`` read at ``count``."""
     return schedule(count) if callable(schedule) else schedule
+
+
+def predictive(key, state, apply_fn, x, num_samples, *, sample):
+    """Average ``apply_fn(params, x)`` over ``num_samples`` draws ``params ~ q`` from ``sample``.
+
+    ``sample(key, state, n)`` is an algorithm's ``sample`` (``nb.ivon(...).sample``). ``apply_fn``
+    should return probabilities (apply the softmax inside it): averaging probabilities, not logits,
+    is the Bayesian model average. Draws are ``vmap``-ed; call it on chunks of ``x`` if memory is short.
+    """
+    draws = sample(key, state, num_samples)
+    return jnp.mean(jax.vmap(lambda p: apply_fn(p, x))(draws), axis=0)
 
 
 # ----------------------------------------------------------------------------- validators

@@ -10,7 +10,13 @@ algorithm                     posterior family            natural-gradient appro
 ============================  ==========================  ===============================
 """
 
+import numpy as np
+
+from numpyro_blr.core import Algorithm, check_fraction, check_positive
+from numpyro_blr.estimators import weights
 from numpyro_blr.optim import BLR
+from numpyro_blr.rules.diagonal import DiagonalRule, diagonal_algorithm
+from numpyro_blr.tree import NOISE_RNG
 
 
 def gradient_descent(lr=0.01, momentum=0.0, **kwargs):
@@ -61,3 +67,126 @@ def von(lr=0.1, momentum=0.0, **kwargs):
     correction that keeps :math:`S` positive definite: ``nb.BLR(lr, hessian="reparam")``.
     """
     return BLR(lr, hessian="reparam", delta=False, momentum=momentum, **kwargs)
+
+
+# ----------------------------------------------------------------------------- deep-learning rows
+# A diagonal Gaussian over a network's weights (numpyro_blr.rules.diagonal) x an estimator
+# (numpyro_blr.estimators.weights) x the rule's options. Each returns a numpyro_blr.core.Algorithm:
+# init(params), step(key, state, loss_fn, *batch) -> (DiagonalState, StepInfo), sample(key, state, n),
+# update(state, estimate).
+
+
+def _lr(lr):
+    return lr if callable(lr) else check_positive(lr, "lr")
+
+
+def _ess(ess):
+    if ess is None:
+        raise ValueError("ess (effective sample size) is required: set it to the number of training examples.")
+    return check_positive(ess, "ess")
+
+
+def _count(n, name):
+    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
+        raise ValueError(f"{name} must be an integer >= 1, got {n!r}.")
+    return int(n)
+
+
+def ivon(lr, ess=None, hess_init=1.0, beta1=0.9, beta2=0.99999, weight_decay=1e-4, mc_samples=1,
+         hess_approx="price", clip_radius=float("inf"), rescale_lr=True, axis_name=None, vmap_samples=True,
+         noise_rng="hash") -> Algorithm:
+    r"""IVON, the improved variational online Newton method (Shen et al. 2024, Algorithm 1).
+
+    Diagonal Gaussian :math:`\mathcal N(m, 1/(N(h+\delta)))` x Price estimator with weight noise
+    (``mc_samples`` draws, :func:`~numpyro_blr.estimators.weights.price`) x the improved-BLR precision
+    step with :math:`\rho_2 = 1 - \beta_2`, momentum :math:`\beta_1` with bias correction, weight decay in
+    the step, clipping at ``clip_radius`` and, with ``rescale_lr``, the learning rate scaled by
+    :math:`h_0 + \delta`. The state's ``precision`` is :math:`h + \delta`. ``noise_rng``: ``"hash"``
+    (:func:`~numpyro_blr.tree.hash_normal`, several times cheaper on CPU) or ``"jax"``.
+    """
+    ess, hess_init = _ess(ess), check_positive(hess_init, "hess_init")
+    delta = check_positive(weight_decay, "weight_decay", allow_zero=True)
+    if noise_rng not in NOISE_RNG:
+        raise ValueError(f"noise_rng must be one of {NOISE_RNG}, got {noise_rng!r}.")
+    rule = DiagonalRule(
+        _lr(lr), check_fraction(beta1, "beta1"), check_fraction(beta2, "beta2"), "improved", delta,
+        clip_radius=check_positive(clip_radius, "clip_radius", allow_inf=True),
+        lr_scale=hess_init + delta if rescale_lr else 1.0,
+    )
+    estimator = weights.price(ess, _count(mc_samples, "mc_samples"), hess_approx, vmap_samples, noise_rng)
+    return diagonal_algorithm(estimator, rule, hess_init + delta, ess, axis_name, noise_rng)
+
+
+def vogn(lr, ess=None, weight_decay=1e-4, beta1=0.9, beta2=0.999, hess_init=1.0, mc_samples=1, axis_name=None) -> Algorithm:
+    r"""VOGN, variational online Gauss-Newton (Khan et al. 2018, eq. 12; Osawa et al. 2019).
+
+    Diagonal Gaussian :math:`\mathcal N(\mu, 1/(N(s+\delta)))` x per-example Gauss-Newton at weight
+    samples (``step(key, state, per_example_loss, *batch)``, batch arrays with a leading example axis)
+    x the plain precision step (an average of squares is never negative), momentum with bias
+    correction and weight decay in the step. The state's ``precision`` is :math:`s + \delta`.
+    """
+    ess, delta = _ess(ess), check_positive(weight_decay, "weight_decay", allow_zero=True)
+    rule = DiagonalRule(_lr(lr), check_fraction(beta1, "beta1"), check_fraction(beta2, "beta2"), "plain", delta)
+    estimator = weights.gauss_newton(ess, _count(mc_samples, "mc_samples"))
+    return diagonal_algorithm(estimator, rule, check_positive(hess_init, "hess_init") + delta, ess, axis_name)
+
+
+def ogn(lr, weight_decay=1e-4, beta1=0.9, beta2=0.999, hess_init=1.0, axis_name=None) -> Algorithm:
+    """OGN: :func:`vogn`'s update at the mean (the delta method: no weight sampling; ``sample`` returns the mean)."""
+    delta = check_positive(weight_decay, "weight_decay", allow_zero=True)
+    rule = DiagonalRule(_lr(lr), check_fraction(beta1, "beta1"), check_fraction(beta2, "beta2"), "plain", delta)
+    return diagonal_algorithm(weights.gauss_newton(None), rule, check_positive(hess_init, "hess_init") + delta, None, axis_name)
+
+
+def bsam(lr, ess=None, rho=0.01, beta1=0.9, beta2=0.999, weight_decay=1e-4, damping=0.1, s_init=1.0, msharpness=1) -> Algorithm:
+    r"""Bayesian SAM (Moellenhoff & Khan 2023, Algorithm 1).
+
+    Diagonal Gaussian :math:`\mathcal N(w, 1/(Ns))` x the sharpness-aware estimator (gradient at the
+    adversarial point :math:`w + \rho g/s`, curvature :math:`\sqrt s|g| + \gamma`;
+    :func:`~numpyro_blr.estimators.weights.sharpness_aware`) x the plain precision step, weight decay
+    in the momentum and no bias correction. ``rho`` is the SAM radius (the BLR step size is ``lr``).
+    """
+    ess = _ess(ess)
+    rho = check_positive(rho, "rho", allow_zero=True)
+    damping = check_positive(damping, "damping", allow_zero=True)
+    rule = DiagonalRule(
+        _lr(lr), check_fraction(beta1, "beta1"), check_fraction(beta2, "beta2"), "plain",
+        check_positive(weight_decay, "weight_decay", allow_zero=True), decay_in_momentum=True, debias=False,
+    )
+    estimator = weights.sharpness_aware(ess, rho, damping, _count(msharpness, "msharpness"))
+    return diagonal_algorithm(estimator, rule, check_positive(s_init, "s_init"), ess)
+
+
+def sgd_blr(lr, momentum=None, nesterov=False) -> Algorithm:
+    r"""SGD as the BLR: a Gaussian of fixed covariance x the delta method (Khan & Rue 2023, Sec. 1.3).
+
+    :math:`\lambda = m` and the BLR is :math:`m \leftarrow m - \rho\nabla\ell(m)`; heavy-ball momentum is
+    optax's ``trace``. Reproduces ``optax.sgd(lr, momentum, nesterov)`` given the same gradients.
+    """
+    beta1 = 0.0 if momentum is None else check_fraction(momentum, "momentum")
+    rule = DiagonalRule(_lr(lr), beta1, None, heavy_ball=True, nesterov=bool(nesterov))
+    return diagonal_algorithm(weights.gradient(), rule, 1.0)
+
+
+def adam_blr(lr, b1=0.9, b2=0.999, eps=1e-8) -> Algorithm:
+    r"""Adam as the BLR (Khan & Rue 2023, Sec. 4.2): diagonal Gaussian x the delta method with the
+    squared gradient as curvature x the plain precision step (:math:`\rho_2 = 1 - b_2`, a
+    "slow-moving" scale) with the square-root scaling :math:`1/(\sqrt{p} + \epsilon)`, momentum
+    :math:`b_1`, both bias-corrected. The precision is the natural parameter
+    :math:`p = -2\lambda_2` (optax's second moment :math:`\nu`). Reproduces ``optax.adam(lr, b1, b2, eps)``.
+    """
+    rule = DiagonalRule(
+        _lr(lr), check_fraction(b1, "b1"), check_fraction(b2, "b2"), "plain", debias_precision=True,
+        sqrt_precision=True, eps=check_positive(eps, "eps", allow_zero=True),
+    )
+    return diagonal_algorithm(weights.gradient(squared=True), rule, 0.0)
+
+
+def rmsprop_blr(lr, decay=0.9, eps=1e-8) -> Algorithm:
+    """RMSprop as the BLR: :func:`adam_blr` without momentum or bias correction, ``eps`` inside the root
+    (reproduces ``optax.rmsprop(lr, decay, eps)``)."""
+    rule = DiagonalRule(
+        _lr(lr), 0.0, check_fraction(decay, "decay"), "plain", sqrt_precision=True,
+        eps=check_positive(eps, "eps", allow_zero=True), eps_in_sqrt=True,
+    )
+    return diagonal_algorithm(weights.gradient(squared=True), rule, 0.0)

@@ -5,7 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from numpyro_blr.deep import bsam
+from numpyro_blr.deep import bsam, predictive, sharpness_aware_from_grads, sharpness_point
+from numpyro_blr.estimators.weights import draw
 
 SHAPES = {"w": (2, 3), "b": (3,)}
 HYPER = dict(lr=0.05, ess=40.0, rho=0.1, beta1=0.8, beta2=0.7, weight_decay=0.02, damping=0.3, s_init=2.0)
@@ -25,11 +26,16 @@ def _numpy_bsam(w, s, gm, grads, pgrads, *, lr, b1, b2, delta, damping):
     return w, s, gm
 
 
+def _update(opt, grads, perturbed_grads, state):
+    """The rule alone on bSAM's statistics of gradients at the samples and at the adversarial points."""
+    return opt.update(state, sharpness_aware_from_grads(state, grads, perturbed_grads, HYPER["damping"]))
+
+
 @pytest.mark.parametrize("groups", [1, 3])
 def test_update_matches_hand_equations(groups):
     rng = np.random.default_rng(0)
     opt = bsam(**HYPER)
-    update = jax.jit(opt.update)
+    update = jax.jit(lambda g, p, s: _update(opt, g, p, s)[0])
     w0 = _tree(rng)
     state = opt.init(w0)
     ref = {k: (w0[k].astype(np.float64), np.full(s, HYPER["s_init"]), np.zeros(s)) for k, s in SHAPES.items()}
@@ -42,18 +48,20 @@ def test_update_matches_hand_equations(groups):
             P = np.stack([g[k] for g in pgrads]).astype(np.float64)
             ref[k] = _numpy_bsam(*ref[k], G, P, lr=HYPER["lr"], b1=HYPER["beta1"], b2=HYPER["beta2"],
                                  delta=HYPER["weight_decay"], damping=HYPER["damping"])
-            for got, want in zip((state.params[k], state.prec[k], state.momentum[k]), ref[k]):
+            got = (state.params[k], state.tree(state.precision)[k], state.tree(state.momentum)[k])
+            for got, want in zip(got, ref[k]):
                 np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
-    assert int(state.count) == 4 and not bool(state.nonfinite)
+    assert int(state.count) == 4 and int(state.skipped) == 0
 
 
 def test_one_step_numbers_by_hand():
     # w=1, s=4, gm=0, g=-2 (at the sample), g_rho=3, lr=0.5, b1=0.9, b2=0.5, delta=0.1, damping=0.2:
     # gm = 0.1*(3 + 0.1) = 0.31; s = 0.5*4 + 0.5*(2*2 + 0.1 + 0.2) = 4.15; w = 1 - 0.5*0.31/4.15
     opt = bsam(lr=0.5, ess=10.0, beta1=0.9, beta2=0.5, weight_decay=0.1, damping=0.2, s_init=4.0)
-    st = opt.update({"x": jnp.array(-2.0)}, {"x": jnp.array(3.0)}, opt.init({"x": jnp.array(1.0)}))
-    np.testing.assert_allclose(st.momentum["x"], 0.31, rtol=1e-6)
-    np.testing.assert_allclose(st.prec["x"], 4.15, rtol=1e-6)
+    init = opt.init({"x": jnp.array(1.0)})
+    st, _ = opt.update(init, sharpness_aware_from_grads(init, {"x": jnp.array(-2.0)}, {"x": jnp.array(3.0)}, 0.2))
+    np.testing.assert_allclose(st.tree(st.momentum)["x"], 0.31, rtol=1e-6)
+    np.testing.assert_allclose(st.tree(st.precision)["x"], 4.15, rtol=1e-6)
     np.testing.assert_allclose(st.params["x"], 1 - 0.5 * 0.31 / 4.15, rtol=1e-6)
 
 
@@ -70,8 +78,10 @@ def test_step_on_quadratic_matches_numpy():
     step = jax.jit(lambda k, st: opt.step(k, st, loss))
     for t in range(3):
         key = jax.random.key(t)
-        eps = np.asarray(opt.sample(jax.random.split(key, 1)[0], state)[1], np.float64) * np.sqrt(HYPER["ess"] * s)
-        state, l = step(key, state)
+        noise = opt.sample(key, state, 1)[0] - state.params  # step's draw: jax.random.split(key, 1)[0]
+        eps = np.asarray(noise, np.float64) * np.sqrt(HYPER["ess"] * s)
+        state, info = step(key, state)
+        l = info.loss
         g = a * (w + eps / np.sqrt(HYPER["ess"] * s) - c)
         wp = w + HYPER["rho"] * g / s
         gr = a * (wp - c)
@@ -79,7 +89,7 @@ def test_step_on_quadratic_matches_numpy():
         w, s, gm = _numpy_bsam(w, s, gm, g[None], gr[None], lr=HYPER["lr"], b1=HYPER["beta1"], b2=HYPER["beta2"],
                                delta=HYPER["weight_decay"], damping=HYPER["damping"])
         np.testing.assert_allclose(state.params, w, rtol=1e-4, atol=1e-6)
-        np.testing.assert_allclose(state.prec, s, rtol=1e-5)
+        np.testing.assert_allclose(state.precision, s, rtol=1e-5)
 
 
 def test_msharpness_splits_the_batch():
@@ -88,16 +98,17 @@ def test_msharpness_splits_the_batch():
     opt = bsam(**HYPER, msharpness=3)
     state = opt.init(jnp.ones(2))
     key = jax.random.key(0)
-    new, l = jax.jit(lambda k, s: opt.step(k, s, loss, x))(key, state)
+    new, info = jax.jit(lambda k, s: opt.step(k, s, loss, x))(key, state)
+    l = info.loss
     gs, gr, ls = [], [], []
     for k, xg in zip(jax.random.split(key, 3), x.reshape(3, 2, 2)):
-        th, _ = opt.sample(k, state)
+        th = state.layout.unravel(draw(k, state, HYPER["ess"], "jax")[0])  # the group's own draw
         g = jax.grad(loss)(th, xg)
-        lg, g_rho = jax.value_and_grad(loss)(opt.perturb(g, state), xg)
+        lg, g_rho = jax.value_and_grad(loss)(sharpness_point(state, g, HYPER["rho"]), xg)
         gs.append(g), gr.append(g_rho), ls.append(lg)
-    manual = opt.update(gs, gr, state)
+    manual, _ = _update(opt, gs, gr, state)
     np.testing.assert_allclose(new.params, manual.params, rtol=1e-5)
-    np.testing.assert_allclose(new.prec, manual.prec, rtol=1e-5)
+    np.testing.assert_allclose(new.precision, manual.precision, rtol=1e-5)
     np.testing.assert_allclose(l, np.mean(ls), rtol=1e-5)
     with pytest.raises(ValueError, match="divisible"):
         opt.step(key, state, loss, x[:5])
@@ -106,8 +117,8 @@ def test_msharpness_splits_the_batch():
 def test_nonfinite_skipped_and_bad_hyperparameters():
     opt = bsam(**HYPER)
     state = opt.init({"x": jnp.ones(3)})
-    bad = opt.update({"x": jnp.array([1.0, jnp.nan, 1.0])}, {"x": jnp.ones(3)}, state)
-    assert bool(bad.nonfinite) and int(bad.skipped) == 1 and int(bad.count) == 0
+    bad, info = _update(opt, {"x": jnp.array([1.0, jnp.nan, 1.0])}, {"x": jnp.ones(3)}, state)
+    assert bool(info.skipped) and int(bad.skipped) == 1 and int(bad.count) == 0
     np.testing.assert_array_equal(bad.params["x"], state.params["x"])
     for kwargs, match in [(dict(lr=0.1), "ess"), (dict(lr=0.1, ess=10.0, rho=-1.0), "rho"),
                           (dict(lr=0.1, ess=10.0, msharpness=0), "msharpness"),
@@ -125,5 +136,5 @@ def test_learns_a_quadratic_posterior_mean():
     body = lambda s, k: (opt.step(k, s, loss)[0], None)
     state, _ = jax.jit(lambda s: jax.lax.scan(body, s, jax.random.split(jax.random.key(0), 3000)))(opt.init(jnp.zeros(3)))
     np.testing.assert_allclose(state.params, a * c / (a + 1e-3), atol=0.05)
-    pred = opt.predictive(jax.random.key(1), state, lambda p, x: p * x, jnp.ones(3), 8)
+    pred = predictive(jax.random.key(1), state, lambda p, x: p * x, jnp.ones(3), 8, sample=opt.sample)
     assert pred.shape == (3,) and np.all(np.isfinite(pred))

@@ -6,7 +6,8 @@ import numpy as np
 import optax
 import pytest
 
-from numpyro_blr.deep import adam_blr, rmsprop_blr, sgd_blr
+from numpyro_blr.deep import adam_blr, gradient_from_grads, rmsprop_blr, sgd_blr
+from numpyro_blr.families import DiagonalGaussian
 
 T = 50
 
@@ -43,7 +44,7 @@ def _run_blr(opt, params, grads):
     @jax.jit
     def run(params, grads):
         def body(state, g):
-            state = opt.update(g, state)
+            state, _ = opt.update(state, gradient_from_grads(state, g, squared=True))
             return state, state.params
 
         return jax.lax.scan(body, opt.init(params), grads)[1]
@@ -90,6 +91,7 @@ def test_reproduces_optax_trajectory_on_a_loss(which):
 
     for _ in range(T):
         p, s, state = both(p, s, state)
+    assert int(state.count) == T
     for a, b in zip(jax.tree.leaves(p), jax.tree.leaves(state.params)):
         np.testing.assert_allclose(b, a, rtol=0, atol=1e-6)
 
@@ -101,8 +103,10 @@ def test_adam_state_is_the_natural_parameter():
     s, state = tx.init(params), opt.init(params)
     for g in grads:
         _, s = tx.update(g, s, params)
-        state = opt.update(g, state)
-    for nu, lam2 in zip(jax.tree.leaves(s[0].nu), jax.tree.leaves(state.nat2)):
+        state, _ = opt.update(state, gradient_from_grads(state, g, squared=True))
+    # the state's precision p is the Gaussian's: its natural parameter is lambda2 = -p/2
+    nat2 = state.tree(DiagonalGaussian.to_natural(state.mean, state.precision).eta2)
+    for nu, lam2 in zip(jax.tree.leaves(s[0].nu), jax.tree.leaves(nat2)):
         np.testing.assert_array_equal(-2.0 * np.asarray(lam2), np.asarray(nu))
 
 

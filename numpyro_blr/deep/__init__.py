@@ -1,42 +1,47 @@
-"""Deep-learning BLR optimizers as pure JAX functions (IVON, VOGN/OGN, Bayesian SAM,
-SGD/RMSprop/Adam as BLR), and :class:`IVON` as a NumPyro ``SVI`` optimizer.
+"""Deep-learning rows of Table 1 (IVON, VOGN/OGN, Bayesian SAM, SGD/RMSprop/Adam as BLR) and
+:class:`IVON` as a NumPyro ``SVI`` optimizer.
 
-See ``docs/deep-learning.md``.
+Each row is a diagonal Gaussian over the weights (:mod:`numpyro_blr.rules.diagonal`), an estimator
+(:mod:`numpyro_blr.estimators.weights`) and the rule's options, composed in
+:mod:`numpyro_blr.presets`; this module gathers them. See ``docs/deep-learning.md``.
 """
 
-from numpyro_blr.deep.bsam import BSAM, BSAMState, bsam
-from numpyro_blr.deep.classic import (
-    BLROptimizer,
-    GaussBLRState,
-    SGDBLRState,
-    adam_blr,
-    rmsprop_blr,
-    sgd_blr,
-)
-from numpyro_blr.deep.ivon import IVONFunctions, IVONState, hessian_update, ivon, predictive
+from numpyro_blr.core import Algorithm, StepInfo, predictive
 from numpyro_blr.deep.svi import IVON, IVONSVIState
-from numpyro_blr.deep.vogn import VOGN, VOGNState, ogn, per_example_grads, vogn
+from numpyro_blr.estimators.weights import (
+    gauss_newton_from_grads,
+    gradient_from_grads,
+    per_example_grads,
+    price_from_samples,
+    sharpness_aware_from_grads,
+    sharpness_point,
+)
+from numpyro_blr.presets import adam_blr, bsam, ivon, ogn, rmsprop_blr, sgd_blr, vogn
+from numpyro_blr.rules.diagonal import DiagonalRule, DiagonalState, diagonal_update
+from numpyro_blr.tree import hash_normal, standard_normal
 
 __all__ = [
-    "BLROptimizer",
-    "BSAM",
-    "BSAMState",
-    "GaussBLRState",
+    "Algorithm",
+    "DiagonalRule",
+    "DiagonalState",
     "IVON",
-    "IVONFunctions",
     "IVONSVIState",
-    "IVONState",
-    "SGDBLRState",
-    "VOGN",
-    "VOGNState",
+    "StepInfo",
     "adam_blr",
     "bsam",
-    "hessian_update",
+    "diagonal_update",
+    "gauss_newton_from_grads",
+    "gradient_from_grads",
+    "hash_normal",
     "ivon",
     "ogn",
     "per_example_grads",
     "predictive",
+    "price_from_samples",
     "rmsprop_blr",
     "sgd_blr",
+    "sharpness_aware_from_grads",
+    "sharpness_point",
+    "standard_normal",
     "vogn",
 ]

@@ -63,7 +63,10 @@ import jax.numpy as jnp
 from jax import lax
 from numpyro.optim import _NumPyroOptim, _value_and_grad
 
-from numpyro_blr.deep.ivon import IVONState, ivon
+from numpyro_blr.estimators import Estimate
+from numpyro_blr.presets import ivon
+from numpyro_blr.rules.diagonal import DiagonalState
+from numpyro_blr.tree import FlatLayout
 from numpyro_blr.guide_trace import PLACEHOLDER_SUFFIX, as_optax, passthrough_params
 from numpyro_blr.layout import DIAGONAL, GuideLayoutError, read_layout
 
@@ -104,7 +107,7 @@ class IVON(_NumPyroOptim):
     def __init__(self, lr, ess=None, hess_init: Optional[float] = 1.0, beta1=0.9, beta2=0.99999,
                  weight_decay=0.0, clip_radius=float("inf"), rescale_lr=True, *, fallback=None,
                  guide=None, prefix=None):
-        self.core = ivon(lr, ess, hess_init=1.0 if hess_init is None else hess_init, beta1=beta1,
+        self.algorithm = ivon(lr, ess, hess_init=1.0 if hess_init is None else hess_init, beta1=beta1,
                          beta2=beta2, weight_decay=weight_decay, clip_radius=clip_radius,
                          rescale_lr=bool(rescale_lr) and hess_init is not None)
         self.ess, self.delta = float(ess), float(weight_decay)
@@ -167,29 +170,35 @@ class IVON(_NumPyroOptim):
         passthrough = passthrough_params(fn, params, layout.other, self.fallback, "IVON")
         (loss, aux), grads = _value_and_grad(fn, x=params, forward_mode_differentiation=forward_mode)
         lam, delta = self.ess, self.delta
-        m, h, g_bar, stat = {}, {}, {}, {}
+        locs = {b.loc: params[b.loc] for b in layout.blocks}
+        flat = FlatLayout.of(locs)
+        sds, precision, stat = {}, {}, {}
         for b in layout.blocks:
             sd = b.transform(params[b.scale])
             _, vjp = jax.vjp(b.transform.inv, sd)
             (dl_dsd,) = vjp(grads[b.scale])  # dL/dsigma from dL/draw
-            m[b.loc] = params[b.loc]
-            h[b.loc] = 1.0 / (lam * sd**2) - delta  # lambda (h + delta) = 1 / sigma^2
-            g_bar[b.loc] = grads[b.loc] / lam  # grad of U/lambda at z
+            sds[b.loc] = sd
+            precision[b.loc] = 1.0 / (lam * sd**2)  # lambda (h + delta) = 1 / sigma^2
             stat[b.loc] = (sd * dl_dsd + 1.0) / lam  # sigma*eps * grad(U/lambda) = noise * grad
-        core = self.core.apply(g_bar, stat, IVONState(m, h, s.momentum, s.count, s.nonfinite, s.skipped))
+        state = DiagonalState(flat.ravel(locs), flat.ravel(precision), flat.ravel(s.momentum), s.count,
+                              s.skipped, flat)
+        g_bar = flat.ravel({b.loc: grads[b.loc] for b in layout.blocks}) / lam  # grad of U/lambda at z
+        estimate = Estimate(loss, g_bar, lam * state.precision * flat.ravel(stat))
+        core, info = self.algorithm.update(state, estimate)
 
         new_params = dict(params)
+        new_locs, new_precision = core.params, core.tree(core.precision)
         for b in layout.blocks:
-            new_params[b.loc] = core.params[b.loc]
-            new_params[b.scale] = b.transform.inv(lax.rsqrt(lam * (core.hess[b.loc] + delta)))
+            new_params[b.loc] = new_locs[b.loc]
+            new_params[b.scale] = b.transform.inv(lax.rsqrt(lam * new_precision[b.loc]))
         new_fb = s.fallback_state
         if layout.other and not passthrough:  # passthrough parameters stay as they are in new_params
             other_g = {k: grads[k] for k in layout.other}
             updates, new_fb = self.fallback.update(other_g, s.fallback_state, {k: params[k] for k in layout.other})
             for k in layout.other:
                 new_params[k] = jax.tree.map(jnp.add, params[k], updates[k])  # params may be pytrees
-        ok = ~core.nonfinite & jnp.isfinite(loss) & _finite(new_params, new_fb)
-        new = IVONSVIState(new_params, core.momentum, core.count, jnp.zeros((), bool), s.skipped, new_fb)
+        ok = ~info.skipped & jnp.isfinite(loss) & _finite(new_params, new_fb)
+        new = IVONSVIState(new_params, core.tree(core.momentum), core.count, jnp.zeros((), bool), s.skipped, new_fb)
         flagged = s._replace(nonfinite=jnp.ones((), bool), skipped=s.skipped + 1)
         out = jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, flagged)
         if stable:  # as numpyro's stable update: a bad step keeps the iteration count and returns nan

@@ -1,0 +1,58 @@
+r"""How the BLR reads :math:`\nabla_\mu \mathbb E_q[\ell]`: every estimator returns an :class:`Estimate`.
+
+Khan & Rue (2023), Table 1: an algorithm is a posterior family, a natural-gradient
+approximation (this package) and the update rule (:mod:`numpyro_blr.rules`). For a Gaussian
+:math:`q = \mathcal N(m, S^{-1})`, :math:`\nabla_\mu \mathbb E_q[\ell]` is carried by the pair
+:math:`(\mathbb E_q[\nabla\ell], \mathbb E_q[\nabla^2\ell])` (Bonnet's and Price's theorems,
+Sec. 4.2 of the paper): ``grad`` and ``hessian`` of the :class:`Estimate`. For every other family
+``grad`` holds :math:`\nabla_\mu \mathbb E_q[\ell]` itself, in the family's expectation-parameter
+NamedTuple, and ``hessian`` is None.
+
+Modules:
+
+==========================  ================================================================
+:mod:`.svi`                 Gaussian blocks of a NumPyro guide, from SVI's ELBO loss: Price /
+                            reparameterisation (``"reparam"``, ``"price"``), exact Hessian
+                            (``"autodiff"``), delta method (``delta=True``), none
+==========================  ================================================================
+"""
+
+from typing import Any, NamedTuple, Optional
+
+import jax
+
+
+class Estimate(NamedTuple):
+    r"""What every estimator returns.
+
+    ``loss``      the value of the loss the estimate read (NaN when it read none);
+    ``grad``      Gaussian families: :math:`\hat g \approx \mathbb E_q[\nabla\ell]`, shaped like the mean
+                  (a flat vector, an array or a pytree); other families:
+                  :math:`\nabla_\mu \mathbb E_q[\ell]`, shaped like the family's expectation parameters;
+    ``hessian``   Gaussian families: :math:`\hat H \approx \mathbb E_q[\nabla^2\ell]` (shaped like the mean
+                  for a diagonal family, a dense matrix for a full one); None when not estimated.
+    """
+
+    loss: jax.Array
+    grad: Any
+    hessian: Optional[Any] = None
+
+
+from numpyro_blr.estimators.svi import (  # noqa: E402
+    HESSIANS,
+    at_mean,
+    estimate,
+    reparam_hessian_diagonal,
+    reparam_hessian_full,
+    reparam_whitened_hessian,
+)
+
+__all__ = [
+    "Estimate",
+    "HESSIANS",
+    "at_mean",
+    "estimate",
+    "reparam_hessian_diagonal",
+    "reparam_hessian_full",
+    "reparam_whitened_hessian",
+]

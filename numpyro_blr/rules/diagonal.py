@@ -1,0 +1,196 @@
+r"""The BLR for a diagonal Gaussian over a network's weights: one rule, configured per Table-1 row.
+
+Every deep-learning row of Khan & Rue (2023, Table 1) learns
+:math:`q(\theta) = \mathcal N(m, \operatorname{diag}(1/(N p)))` over a flat weight vector, with
+:math:`N` the effective sample size (``ess``, the number of training examples) and :math:`p` the
+per-example ``precision``; its loss is the **average** per-example loss :math:`\bar\ell` of a
+mini-batch (what SGD or Adam would be given) and its prior a Gaussian of precision
+:math:`N\delta` (``weight_decay`` :math:`\delta`). Given an :class:`~numpyro_blr.estimators.Estimate`
+of :math:`\hat g \approx \mathbb E_q[\nabla\bar\ell]` and :math:`\hat h \approx \mathbb E_q[\nabla^2\bar\ell]`,
+one step is
+
+.. math::
+    p &\leftarrow k\big((1-\rho_2)\, p + \rho_2 (\hat h + \delta)\big)
+        \qquad (\rho_2 = 1 - \beta_2, \text{ the precision step of } :mod:`numpyro_blr.rules.blr`), \\
+    \bar g &\leftarrow \beta_1 \bar g + (1-\beta_1)\, (\hat g\ [+\ \delta m]), \\
+    m &\leftarrow m - \alpha\, c\, \operatorname{clip}\Big(\frac{\bar g/(1-\beta_1^t)\ [+\ \delta m]}{p}, \pm r\Big),
+
+where :math:`k` is the positivity rule (``"improved"``: :math:`p_{\rm new} \ge p/2` for any
+:math:`\hat h`; ``"plain"``: a convex combination, for estimates that are never negative), the
+weight decay enters either the momentum or the step (``decay_in_momentum``), and
+``sqrt_precision`` replaces the division by :math:`p` with :math:`\sqrt{p} + \epsilon` (Adam, RMSprop:
+Table 1's square-root scaling). :math:`N` only sets the sampling scale, so it lives in the
+estimator (:mod:`numpyro_blr.estimators.weights`), not here.
+
+==========================  =========================  ===========  ============================
+row                         :math:`\hat h`             positivity   mean step
+==========================  =========================  ===========  ============================
+IVON (Shen et al. 2024)     Price, sampled             improved     :math:`c = p_0`, clipped
+VOGN / OGN (Khan 2018)      per-example GN             plain        :math:`(\bar g + \delta m)/p`
+bSAM (Moellenhoff 2023)     :math:`\sqrt p|g| + \gamma`  plain        decay in momentum, no debias
+Adam / RMSprop              :math:`g^2` at the mean    plain        :math:`\sqrt p + \epsilon`
+SGD                         none (:math:`p = 1`)       --           heavy ball
+==========================  =========================  ===========  ============================
+
+A step whose estimate or result is not finite is skipped: the state is kept and ``skipped`` counts it.
+"""
+
+from typing import Any, NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+
+from numpyro_blr.core import StepInfo, value_at
+from numpyro_blr.rules.blr import diagonal_precision_update
+from numpyro_blr.tree import FlatLayout
+
+
+class DiagonalState(NamedTuple):
+    r"""State of a diagonal row: :math:`q = \mathcal N(m, \operatorname{diag}(1/(N p)))` over flat weights.
+
+    ``mean``       :math:`m`, flat (``params`` gives it as the weights' pytree);
+    ``precision``  :math:`p`, the per-example precision, flat (:math:`N p` is :math:`q`'s precision;
+                   for IVON :math:`p = h + \delta`, for VOGN :math:`s + \delta`, for Adam the second
+                   moment :math:`\nu = -2\lambda_2`);
+    ``momentum``   :math:`\bar g`, flat;
+    ``count``      steps taken (skipped steps are not counted), int32;
+    ``skipped``    how many steps were skipped for a non-finite estimate or result, int32;
+    ``layout``     the :class:`~numpyro_blr.tree.FlatLayout` of the weights (static).
+    """
+
+    mean: jax.Array
+    precision: jax.Array
+    momentum: jax.Array
+    count: jax.Array
+    skipped: jax.Array
+    layout: FlatLayout
+
+    @property
+    def params(self):
+        """The mean as the weights' pytree."""
+        return self.layout.unravel(self.mean)
+
+    def tree(self, flat):
+        """Any flat vector of the state (``precision``, ``momentum``) as the weights' pytree."""
+        return self.layout.unravel(flat)
+
+
+class DiagonalRule(NamedTuple):
+    """The options of :func:`diagonal_update` (module docstring); every field is static."""
+
+    lr: Any  # alpha: a float or a schedule count -> alpha
+    beta1: float = 0.0  # momentum of the mean gradient
+    beta2: Optional[float] = None  # precision averaging, rho_2 = 1 - beta2; None keeps p fixed (SGD)
+    positivity: str = "plain"  # "improved" or "plain" (numpyro_blr.rules.blr)
+    weight_decay: float = 0.0  # delta
+    decay_in_momentum: bool = False  # bSAM: delta m enters the momentum, not the step
+    debias: bool = True  # divide the momentum by 1 - beta1^t
+    debias_precision: bool = False  # Adam: divide p by 1 - beta2^t in the step
+    sqrt_precision: bool = False  # Adam / RMSprop: scale by 1/(sqrt(p) + eps)
+    eps: float = 0.0
+    eps_in_sqrt: bool = False  # RMSprop: 1/sqrt(p + eps)
+    clip_radius: float = float("inf")
+    lr_scale: float = 1.0  # IVON's rescale_lr: c = p_0
+    heavy_ball: bool = False  # SGD: the momentum is optax's trace g + beta1 * trace (nesterov: see below)
+    nesterov: bool = False
+
+
+def init_diagonal(params, precision_init):
+    """A fresh :class:`DiagonalState`: ``mean = params`` (flattened), ``precision = precision_init``, zero momentum."""
+    from numpyro_blr.core import check_params
+
+    check_params(params)
+    layout = FlatLayout.of(params)
+    mean = layout.ravel(jax.tree.map(jnp.asarray, params))
+    zero = jnp.zeros((), jnp.int32)
+    return DiagonalState(mean, jnp.full_like(mean, precision_init), jnp.zeros_like(mean), zero, zero, layout)
+
+
+def diagonal_update(rule: DiagonalRule, state: DiagonalState, grad, hessian=None, loss=jnp.nan):
+    """One step of the rule from flat :math:`\\hat g` and :math:`\\hat h` (``hessian``, None when
+    ``rule.beta2`` is None); returns ``(state, StepInfo(loss, skipped))``."""
+    m, p, mom = state.mean, state.precision, state.momentum
+    dt = m.dtype
+    t = state.count + 1
+    alpha = value_at(rule.lr, state.count)
+    delta = rule.weight_decay
+    if rule.beta2 is not None:
+        p_new = diagonal_precision_update(p, hessian + delta if delta else hessian, 1.0 - rule.beta2, rule.positivity)
+    else:
+        p_new = p
+    g = grad + delta * m if (rule.decay_in_momentum and delta) else grad
+    if rule.heavy_ball:  # optax.trace: g + beta1 * trace; nesterov steps along g + beta1 * new trace
+        mom_new = g + rule.beta1 * mom if rule.beta1 else g
+        direction = g + rule.beta1 * mom_new if rule.nesterov else mom_new
+    else:
+        mom_new = rule.beta1 * mom + (1.0 - rule.beta1) * g if rule.beta1 else g
+        direction = mom_new
+        if rule.debias and rule.beta1:
+            direction = direction / (1.0 - jnp.asarray(rule.beta1, dt) ** t.astype(dt))
+    if delta and not rule.decay_in_momentum:
+        direction = direction + delta * m
+    if rule.sqrt_precision:
+        q = p_new / (1.0 - jnp.asarray(rule.beta2, dt) ** t.astype(dt)) if rule.debias_precision else p_new
+        step = direction * jax.lax.rsqrt(q + rule.eps) if rule.eps_in_sqrt else direction / (jnp.sqrt(q) + rule.eps)
+    elif rule.beta2 is None:
+        step = direction
+    else:
+        step = direction / p_new
+    if rule.clip_radius != float("inf"):
+        step = jnp.clip(step, -rule.clip_radius, rule.clip_radius)
+    m_new = (m - alpha * rule.lr_scale * step).astype(dt)
+    # one reduction: x * 0 is 0 for finite x and NaN for +-inf/NaN, so the sum is finite iff every entry is;
+    # a non-finite grad or hessian makes mom_new or p_new non-finite (m, p, mom are finite)
+    ok = jnp.isfinite(jnp.sum(m_new * 0 + p_new * 0 + mom_new * 0))
+    new = DiagonalState(
+        jnp.where(ok, m_new, m),
+        jnp.where(ok, p_new, p),
+        jnp.where(ok, mom_new, mom),
+        jnp.where(ok, t, state.count),
+        state.skipped + jnp.where(ok, 0, 1).astype(jnp.int32),
+        state.layout,
+    )
+    return new, StepInfo(loss, ~ok)
+
+
+def diagonal_algorithm(estimator, rule: DiagonalRule, precision_init, ess=None, axis_name=None, noise_rng="jax"):
+    r"""A diagonal row as an :class:`~numpyro_blr.core.Algorithm`: ``step`` = ``estimator`` then
+    :func:`diagonal_update`.
+
+    ``estimator(key, state, loss_fn, *batch) -> Estimate`` (:mod:`numpyro_blr.estimators.weights`);
+    ``precision_init`` the initial per-example precision :math:`p_0`; ``ess`` :math:`N` for ``sample``
+    (None: :math:`q` is a point mass at the mean, ``sample`` returns the mean). With ``axis_name``
+    (inside ``shard_map``/``pmap``), each device folds its index into the key and the estimate is
+    ``lax.pmean``-ed over that axis: one reduction per step.
+    """
+    from jax import lax
+
+    from numpyro_blr.tree import standard_normal
+
+    def init(params):
+        return init_diagonal(params, precision_init)
+
+    def update(state, estimate):
+        return diagonal_update(rule, state, estimate.grad, estimate.hessian, estimate.loss)
+
+    def step(key, state, loss_fn, *batch):
+        if axis_name is not None and key is not None:
+            key = jax.random.fold_in(key, lax.axis_index(axis_name))
+        est = estimator(key, state, loss_fn, *batch)
+        if axis_name is not None:
+            est = lax.pmean(est, axis_name)
+        return update(state, est)
+
+    def sample(key, state, n):
+        """``n`` draws of the weights (pytree, leading axis ``n``); draw ``s`` uses ``jax.random.split(key, n)[s]``."""
+        m = state.mean
+        if ess is None:
+            return state.layout.unravel(jnp.broadcast_to(m, (n,) + m.shape))
+        scale = jax.lax.rsqrt(ess * state.precision).astype(m.dtype)
+        keys = jax.random.split(key, n)
+        eps = jax.vmap(lambda k: standard_normal(k, m.shape[0], m.dtype, noise_rng))(keys)
+        return state.layout.unravel(m + eps * scale)
+
+    from numpyro_blr.core import Algorithm
+
+    return Algorithm(init=init, step=step, sample=sample, update=update)
