@@ -17,9 +17,16 @@ from numpyro_blr.layout import GuideLayoutError, read_layout
 from numpyro_blr.optim import BLR, BLRState, FitTrace, adaptive_decay, harmonic_decay, nonfinite_parameters
 from numpyro_blr.report import FitReport, fit_report
 from numpyro_blr.presets import gradient_descent, laplace, newton, von
+from numpyro_blr.rules.diagonal import as_optax, perturbed
+from numpyro_blr.core import Algorithm, StepInfo, predictive
 
 __all__ = [
+    "Algorithm",
     "BLR",
+    "StepInfo",
+    "as_optax",
+    "perturbed",
+    "predictive",
     "ExpFamilyGuide",
     "IVON",
     "adam_blr",

@@ -46,12 +46,14 @@ import numpy as np
 class Algorithm(NamedTuple):
     """``init(params, ...) -> State``; ``step(key, State, loss_fn, *batch) -> (State, Info)``;
     ``sample(key, State, n) -> draws`` (leading axis ``n``); ``update(State, Estimate) -> (State, Info)``
-    (pure functions)."""
+    (pure functions); ``parts``: the composition the row is made of (family, estimator, rule and their
+    options), for views of it such as :func:`numpyro_blr.as_optax`."""
 
     init: Callable
     step: Callable
     sample: Callable
     update: Callable
+    parts: Any = None
 
 
 class StepInfo(NamedTuple):

@@ -19,8 +19,11 @@ batch with a leading example axis):
 ==========================  ==================================================================
 
 The noise is one flat draw per sample (:func:`numpyro_blr.tree.standard_normal`), so it is fresh for
-every key and every leaf. :func:`price_from_samples` and :func:`gauss_newton_from_grads` give the
-same statistics from gradients a caller computed itself (custom loops, other devices).
+every key and every leaf. :func:`price_from_samples`, :func:`gauss_newton_from_grads`,
+:func:`gradient_from_grads` and :func:`sharpness_aware_from_grads` give the same statistics from
+gradients a caller computed itself (custom loops, other devices); each estimator's ``from_grads``
+attribute does the same for one flat gradient and noise, which is what the optax view of a row
+(:func:`numpyro_blr.rules.diagonal.as_optax`) uses.
 """
 
 import jax
@@ -81,6 +84,10 @@ def price(ess, mc_samples=1, hess_approx="price", vmap_samples=True, noise_rng="
         loss, g, stat = _monte_carlo(one, jax.random.split(key, mc_samples), vmap_samples)
         return Estimate(loss, g, ess * (stat if gradsq else state.precision * stat))
 
+    def from_grads(state, g, noise):
+        return Estimate(jnp.nan, g, ess * (g * g if gradsq else state.precision * noise * g))
+
+    estimate.from_grads, estimate.sampled = from_grads, True
     return estimate
 
 
@@ -147,6 +154,17 @@ def gauss_newton(ess=None, mc_samples=1, noise_rng="jax"):
         flat = flat.reshape((-1, flat.shape[-1]))
         return Estimate(jnp.mean(losses), jnp.mean(flat, axis=0), jnp.mean(flat * flat, axis=0))
 
+    def from_grads(state, g, noise, squared_grads=None):
+        del noise
+        if squared_grads is None:
+            raise ValueError(
+                "the Gauss-Newton rows (VOGN, OGN) need the mean of the per-example squared gradients: "
+                "pass squared_grads=jax.tree.map(lambda g: jnp.mean(g**2, 0), nb.deep.per_example_grads(...)) "
+                "to the transformation's update."
+            )
+        return Estimate(jnp.nan, g, state.layout.ravel(squared_grads))
+
+    estimate.from_grads, estimate.sampled = from_grads, ess is not None
     return estimate
 
 
@@ -160,6 +178,11 @@ def gradient(squared=False):
         g = state.layout.ravel(g)
         return Estimate(loss, g, g * g if squared else None)
 
+    def from_grads(state, g, noise):
+        del noise
+        return Estimate(jnp.nan, g, g * g if squared else None)
+
+    estimate.from_grads, estimate.sampled = from_grads, False
     return estimate
 
 

@@ -193,4 +193,94 @@ def diagonal_algorithm(estimator, rule: DiagonalRule, precision_init, ess=None, 
 
     from numpyro_blr.core import Algorithm
 
-    return Algorithm(init=init, step=step, sample=sample, update=update)
+    parts = DiagonalParts(estimator, rule, precision_init, ess, noise_rng)
+    return Algorithm(init=init, step=step, sample=sample, update=update, parts=parts)
+
+
+class DiagonalParts(NamedTuple):
+    """What a diagonal row is made of (``Algorithm.parts``): its estimator, its rule and the family's options."""
+
+    estimator: Any
+    rule: DiagonalRule
+    precision_init: float
+    ess: Optional[float]
+    noise_rng: str
+
+
+class TransformState(NamedTuple):
+    """State of :func:`as_optax`'s transformation: a :class:`DiagonalState` without the mean (optax keeps
+    the parameters) and with the key of the current weight draw (:func:`perturbed`)."""
+
+    precision: jax.Array
+    momentum: jax.Array
+    count: jax.Array
+    skipped: jax.Array
+    key: jax.Array
+    layout: FlatLayout
+
+
+def _noise(parts, state):
+    from numpyro_blr.tree import standard_normal
+
+    if parts.ess is None or not parts.estimator.sampled:
+        return None
+    eps = standard_normal(state.key, state.precision.shape[0], state.precision.dtype, parts.noise_rng)
+    return eps * jax.lax.rsqrt(parts.ess * state.precision).astype(state.precision.dtype)
+
+
+def perturbed(algorithm, params, opt_state):
+    r"""The weights at which to evaluate the gradient for :func:`as_optax`'s next ``update``:
+    ``params`` plus this step's draw :math:`\sigma\epsilon` (``params`` itself for the delta-method rows)."""
+    noise = _noise(algorithm.parts, opt_state)
+    if noise is None:
+        return params
+    return opt_state.layout.unravel(opt_state.layout.ravel(params) + noise)
+
+
+def as_optax(algorithm, seed=0):
+    r"""A diagonal row as an ``optax.GradientTransformationExtraArgs``, for Flax / Equinox training loops.
+
+    The transformation keeps the row's precision and momentum (the parameters are the mean, held by
+    the caller) and the key of the current weight draw. A training step is::
+
+        tx = nb.as_optax(nb.ivon(lr, ess=n_train))
+        opt_state = tx.init(params)
+        theta = nb.perturbed(algo, params, opt_state)     # params + sigma * eps (params for Adam, SGD, OGN)
+        grads = jax.grad(loss_fn)(theta, batch)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+
+    ``update`` forms the row's estimate from ``grads`` and the same draw (the estimator's
+    ``from_grads``), applies the row's rule (:func:`diagonal_update`) and draws the next key. The
+    Gauss-Newton rows (VOGN, OGN) also take ``squared_grads=`` (the mean over the batch of the
+    per-example squared gradients). bSAM needs two gradient evaluations per step and has no such
+    view: use its ``step``. Skipped (non-finite) steps return zero updates and count in the state.
+    """
+    import optax
+
+    parts = algorithm.parts
+    if not isinstance(parts, DiagonalParts) or not hasattr(parts.estimator, "from_grads"):
+        raise ValueError(
+            "as_optax takes a diagonal row whose estimate can be formed from one gradient (nb.ivon, nb.vogn, "
+            "nb.ogn, nb.adam_blr, nb.rmsprop_blr, nb.sgd_blr); bSAM needs two gradient evaluations per step: "
+            "use its step function."
+        )
+
+    def init(params):
+        state = init_diagonal(params, parts.precision_init)
+        key = jax.random.key(seed)
+        return TransformState(state.precision, state.momentum, state.count, state.skipped, key, state.layout)
+
+    def update(grads, opt_state, params=None, **extra):
+        if params is None:
+            raise ValueError("the BLR's optax view needs params (the mean): call tx.update(grads, opt_state, params).")
+        layout = opt_state.layout
+        mean = layout.ravel(params)
+        state = DiagonalState(mean, opt_state.precision, opt_state.momentum, opt_state.count, opt_state.skipped, layout)
+        estimate = parts.estimator.from_grads(state, layout.ravel(grads), _noise(parts, opt_state), **extra)
+        new, _ = diagonal_update(parts.rule, state, estimate.grad, estimate.hessian, estimate.loss)
+        key, _ = jax.random.split(opt_state.key)
+        new_opt_state = TransformState(new.precision, new.momentum, new.count, new.skipped, key, layout)
+        return layout.unravel(new.mean - mean), new_opt_state
+
+    return optax.GradientTransformationExtraArgs(init, update)
