@@ -169,7 +169,7 @@ class IVON(_NumPyroOptim):
         layout = self.layout(params)
         passthrough = passthrough_params(fn, params, layout.other, self.fallback, "IVON")
         (loss, aux), grads = _value_and_grad(fn, x=params, forward_mode_differentiation=forward_mode)
-        lam, delta = self.ess, self.delta
+        lam = self.ess
         locs = {b.loc: params[b.loc] for b in layout.blocks}
         flat = FlatLayout.of(locs)
         sds, precision, stat = {}, {}, {}

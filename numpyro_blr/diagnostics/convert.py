@@ -23,7 +23,6 @@ and ``coords`` add or override them.
 from collections.abc import Mapping
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import xarray as xr
 from arviz_base import dict_to_dataset
@@ -31,108 +30,18 @@ from arviz_base.io_numpyro import infer_dims
 from numpyro import handlers
 from numpyro.infer.util import log_likelihood as _numpyro_log_likelihood
 
-from numpyro_blr.diagnostics.psis import has_density, log_densities
+from numpyro_blr.diagnostics.draws import (  # noqa: F401 - re-exported
+    DiagnosticsError,
+    check_arguments,
+    has_density,
+    log_densities,
+    model_sites,
+    posterior_draws,
+)
 
 __all__ = ["DiagnosticsError", "check_arguments", "posterior_draws", "to_datatree", "model_sites"]
 
 FIT_HISTORY = "fit_history"
-
-
-class DiagnosticsError(ValueError):
-    """Bad input to a diagnostic (the message names the site or dimension at fault)."""
-
-
-# -- argument checks ---------------------------------------------------------------------------
-def _is_guide_object(x):
-    from numpyro.infer.autoguide import AutoGuide
-
-    from numpyro_blr.guides import ExpFamilyGuide
-
-    return isinstance(x, (AutoGuide, ExpFamilyGuide))
-
-
-def check_arguments(where, guide, params, model=None, args=(), kwargs=None):
-    """Check ``(guide, params, model)`` up front and say what was expected (the order is the one of
-    ``numpyro.infer.Predictive``: the guide, its fitted parameters, then the model and its arguments)."""
-    call = f"{where}(guide, svi_result.params{', model' if model is not None else ''}, *args)"
-    if not callable(guide):
-        raise DiagnosticsError(
-            f"{where}: the first argument must be the guide (an autoguide or a guide function), got "
-            f"{type(guide).__name__}; the call is {call}."
-        )
-    if not isinstance(params, Mapping):
-        hint = ""
-        if hasattr(params, "params") and hasattr(params, "losses"):
-            hint = " This is an SVIRunResult: pass svi_result.params (and losses=svi_result.losses to keep the loss trace)."
-        elif callable(params):
-            hint = " It is callable: is it the model or the guide, in the wrong place?"
-        raise DiagnosticsError(
-            f"{where}: the second argument must be the dict of fitted parameters (svi_result.params), got "
-            f"{type(params).__name__}.{hint} The call is {call}."
-        )
-    if model is None:
-        return
-    if not callable(model):
-        raise DiagnosticsError(
-            f"{where}: the third argument must be the model (a function), got {type(model).__name__}; the call is {call}."
-        )
-    if _is_guide_object(model) and not _is_guide_object(guide):
-        raise DiagnosticsError(
-            f"{where}: the model argument is a guide ({type(model).__name__}) and the guide argument is not: model "
-            f"and guide are swapped. The call is {call}."
-        )
-    if not _is_guide_object(guide):  # a guide function: it must not observe data
-        try:
-            tr = handlers.trace(handlers.substitute(handlers.seed(guide, 0), data=dict(params))).get_trace(
-                *args, **(kwargs or {})
-            )
-        except Exception:  # noqa: BLE001 - let the conversion itself report what fails
-            return
-        observed = [n for n, site in tr.items() if site["type"] == "sample" and site.get("is_observed", False)]
-        if observed:
-            raise DiagnosticsError(
-                f"{where}: the function passed as the guide has observed site(s) {observed}: it looks like the "
-                f"model (model and guide swapped?). The call is {call}."
-            )
-
-
-# -- model structure ---------------------------------------------------------------------------
-def model_sites(model, draw, *args, rng_key=None, **kwargs):
-    """Trace ``model`` once with the latent values of ``draw`` substituted.
-
-    Returns ``(trace, latent, observed, deterministic)``: the trace and the site names of each kind.
-    """
-    rng_key = jax.random.PRNGKey(0) if rng_key is None else rng_key
-    tr = handlers.trace(handlers.substitute(handlers.seed(model, rng_key), data=draw)).get_trace(*args, **kwargs)
-    latent, observed, deterministic = [], [], []
-    for name, site in tr.items():
-        if site["type"] == "sample":
-            if site.get("is_observed", False):
-                observed.append(name)
-            elif not site.get("infer", {}).get("is_auxiliary", False):
-                latent.append(name)
-        elif site["type"] == "deterministic":
-            deterministic.append(name)
-    return tr, latent, observed, deterministic
-
-
-def posterior_draws(guide, params, *args, num_samples=1000, rng_key=None, **kwargs):
-    r"""``num_samples`` draws :math:`\theta^{(s)} \sim q` from ``guide`` with ``params``.
-
-    For autoguides this is ``guide.sample_posterior(rng_key, params, *args, sample_shape=(S,))``
-    (so the draws are the guide's own for the same key); for a guide function it is
-    ``numpyro.infer.Predictive(guide, params=params, num_samples=S)``.
-    """
-    check_arguments("posterior_draws", guide, params)
-    rng_key = jax.random.PRNGKey(0) if rng_key is None else rng_key
-    if hasattr(guide, "sample_posterior"):
-        if getattr(guide, "prototype_trace", None) is None:
-            # an unfitted autoguide: run it once so that it knows the model's sites
-            handlers.substitute(handlers.seed(guide, rng_key), data=params)(*args, **kwargs)
-        return dict(guide.sample_posterior(rng_key, params, *args, sample_shape=(num_samples,), **kwargs))
-    from numpyro.infer import Predictive
-
-    return dict(Predictive(guide, params=params, num_samples=num_samples)(rng_key, *args, **kwargs))
 
 
 # -- dims and coords ---------------------------------------------------------------------------

@@ -31,15 +31,11 @@ importance ratios :math:`r_s\,/\,p(y_i \mid \theta^{(s)})` for each left-out poi
 
 from typing import NamedTuple
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 import xarray as xr
 from arviz_stats.base import array_stats
-from numpyro import handlers
-from numpyro.distributions.transforms import biject_to
-from numpyro.infer.autoguide import AutoContinuous, AutoDelta
-from numpyro.infer.util import log_density
+
+from numpyro_blr.diagnostics.draws import DiagnosticsError, check_arguments, has_density, log_densities, posterior_draws  # noqa: F401
 
 __all__ = [
     "PSISResult",
@@ -106,101 +102,6 @@ class PSISResult(NamedTuple):
         return text
 
 
-# -- densities ---------------------------------------------------------------------------------
-def has_density(guide):
-    """Whether the guide has a density to evaluate (point masses such as ``AutoDelta`` do not)."""
-    return not isinstance(guide, AutoDelta)
-
-
-def _unconstrain(model_trace, draw):
-    """Unconstrained values and the log|det J| of :math:`\\theta = T(u)` summed over all sites."""
-    u, logdet = {}, 0.0
-    for name, value in draw.items():
-        site = model_trace[name]
-        transform = biject_to(site["fn"].support)
-        u[name] = transform.inv(value)
-        logdet = logdet + jnp.sum(transform.log_abs_det_jacobian(u[name], value))
-    return u, logdet
-
-
-def log_densities(guide, params, model, draws, *args, **kwargs):
-    r""":math:`\log p(u^{(s)}, y)` and :math:`\log q(u^{(s)})` for each draw, in the unconstrained space.
-
-    ``draws`` are constrained latent draws ``{site: (S, ...)}`` (e.g. from
-    ``guide.sample_posterior``). With :math:`\theta = T(u)` (``biject_to(support)`` per site):
-
-    .. math::
-        \log p(u, y) = \log p(\theta, y) + \log\lvert\det J_T(u)\rvert
-
-    (``numpyro.infer.util.log_density`` of the model plus the Jacobian: minus the potential
-    energy), and :math:`\log q(u)` is the density of the guide's unconstrained latent: for
-    ``AutoContinuous`` guides (``AutoDiagonalNormal``, ``AutoMultivariateNormal``,
-    ``AutoLowRankMultivariateNormal``, ``AutoLaplaceApproximation``, flows)
-    ``guide.get_posterior(params).log_prob(u)``; for other guides (``AutoNormal``, guide
-    functions) the guide's log density of :math:`\theta` plus the same Jacobian.
-
-    Returns two arrays of shape ``(S,)``. The difference is the log importance ratio of Yao et al.
-    (2018).
-    """
-    from numpyro_blr.diagnostics.convert import DiagnosticsError, check_arguments, model_sites
-
-    check_arguments("log_densities", guide, params, model, args, kwargs)
-    if not has_density(guide):
-        raise DiagnosticsError(
-            f"{type(guide).__name__} is a point mass: it has no density log q, so there are no importance "
-            "ratios (use a Gaussian guide such as AutoNormal or AutoMultivariateNormal)."
-        )
-    draws = {k: jnp.asarray(v) for k, v in draws.items()}
-    pmodel = handlers.substitute(model, data=params)
-    first = {k: v[0] for k, v in draws.items()}
-    tr, latent, _, _ = model_sites(pmodel, first, *args, **kwargs)
-    missing = [n for n in latent if n not in draws]
-    if missing:
-        raise DiagnosticsError(f"no draws for the latent site(s) {missing} of the model (got {sorted(draws)}).")
-    draws = {k: draws[k] for k in latent}
-
-    if isinstance(guide, AutoContinuous):
-        # the guide's latent is the concatenation of the sites' unconstrained values in its own order
-        posterior = guide.get_posterior(params)
-        names = list(guide._unpack_latent(jnp.zeros(guide.latent_dim)).keys())
-        extra = [n for n in names if n not in draws]
-        if extra:
-            raise DiagnosticsError(f"the guide has the latent site(s) {extra} that the model does not sample.")
-
-        def log_q_fn(u, draw):
-            # AutoDiagonalNormal's posterior is a batch of univariate normals: sum them
-            return jnp.sum(posterior.log_prob(jnp.concatenate([jnp.reshape(u[n], -1) for n in names])))
-
-    else:
-        pguide = handlers.substitute(guide, data=params)
-        gtr = handlers.trace(handlers.substitute(handlers.seed(pguide, 0), data=first)).get_trace(*args, **kwargs)
-        unmatched = [
-            n
-            for n, s in gtr.items()
-            if s["type"] == "sample" and not s.get("is_observed", False) and n not in draws
-        ]
-        if unmatched:
-            raise DiagnosticsError(
-                f"the guide samples the site(s) {unmatched} that are not latent sites of the model; "
-                "log q of the draws cannot be evaluated."
-            )
-
-        def log_q_fn(u, draw):
-            lq, _ = log_density(pguide, args, kwargs, draw)
-            return lq
-
-    def one(draw):
-        t = handlers.trace(handlers.substitute(pmodel, data=draw)).get_trace(*args, **kwargs)
-        u, logdet = _unconstrain(t, draw)
-        lp, _ = log_density(pmodel, args, kwargs, draw)
-        lq = log_q_fn(u, draw)
-        if not isinstance(guide, AutoContinuous):
-            lq = lq + logdet  # guide density of theta -> of u
-        return lp + logdet, lq
-
-    return jax.vmap(one)(draws)
-
-
 # -- PSIS --------------------------------------------------------------------------------------
 def psis(log_p, log_q, r_eff=1.0):
     r"""Pareto-smoothed importance sampling with ratios :math:`r_s = p(\theta^{(s)}, y)/q(\theta^{(s)})`.
@@ -241,7 +142,6 @@ def _logsumexp(x):
 
 def _sample_stats(tree):
     if not hasattr(tree, "children"):
-        from numpyro_blr.diagnostics.convert import DiagnosticsError
 
         raise DiagnosticsError(
             f"expected the xarray.DataTree that numpyro_blr.diagnostics.to_datatree returns, got {type(tree).__name__}"
@@ -279,7 +179,6 @@ def check_guide(guide, params, model, *args, num_samples=4000, rng_key=None, **k
     statistic, different draws and tail fit) and, for calibration across simulated data sets, its
     ``numpyro.infer.calibration.vsbc_diagnostic`` (Yao et al. 2018, Sec. 3).
     """
-    from numpyro_blr.diagnostics.convert import check_arguments, posterior_draws
 
     check_arguments("check_guide", guide, params, model, args, kwargs)
     draws = posterior_draws(guide, params, *args, num_samples=num_samples, rng_key=rng_key, **kwargs)
