@@ -376,12 +376,12 @@ def as_optax(fallback):
     )
 
 
-def check_foreign_state(s, state_type):
+def check_foreign_state(s, state_type, who="nb.BLR"):
     """Raise with what to do when ``svi.run(..., init_state=...)`` hands over another optimizer's state."""
     if isinstance(s, state_type):
         return
     raise TypeError(
-        f"nb.BLR was given an optimizer state of type {type(s).__name__}, not its own {state_type.__name__}: "
+        f"{who} was given an optimizer state of type {type(s).__name__}, not its own {state_type.__name__}: "
         "svi.run(..., init_state=...) continues a run with the optimizer that made the state, and this one "
         "comes from another optimizer (an Adam run?). To start BLR from that run's parameters, pass them "
         "instead: svi.run(key, num_steps, *args, init_params=previous_result.params) (the constrained "

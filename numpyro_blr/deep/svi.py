@@ -47,7 +47,8 @@ is written back as :math:`\sigma = 1/\sqrt{\lambda(h+\delta)}`. Consequences:
   (as IVON's init does); ``hess_init=None`` keeps the guide's ``init_scale`` and turns
   ``rescale_lr`` off (:math:`c = 1`).
 * Steps with a non-finite loss, statistic or update are skipped (parameters and momentum kept),
-  ``nonfinite`` is set and ``skipped`` counted in the state (``svi_result.state.optim_state[1]``).
+  counted in the state (``svi_result.state.optim_state[1].skipped``) and reported at the end of the
+  run, as for every optimizer of :mod:`numpyro_blr.svi`.
 * Parameters outside the Gaussian are updated by ``fallback``. Without one, the only ones allowed
   are the ``"{name}$params"`` placeholders of ``numpyro.contrib.module``'s ``random_*_module``
   that the loss does not read (every module weight has a prior and is a latent site): they are
@@ -56,151 +57,111 @@ is written back as :math:`\sigma = 1/\sqrt{\lambda(h+\delta)}`. Consequences:
   prior), tracing the step raises ``GuideLayoutError`` asking for ``fallback=``.
 """
 
-from typing import Any, NamedTuple, Optional
+from typing import NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
 from jax import lax
-from numpyro.optim import _NumPyroOptim, _value_and_grad
+from numpyro.optim import _value_and_grad
 
 from numpyro_blr.estimators import Estimate
+from numpyro_blr.layout import DIAGONAL, GuideLayoutError
 from numpyro_blr.presets import ivon
 from numpyro_blr.rules.diagonal import DiagonalState
+from numpyro_blr.svi import GuideAlgorithm, GuideOptimizer, GuideStep
 from numpyro_blr.tree import FlatLayout
-from numpyro_blr.guide_trace import PLACEHOLDER_SUFFIX, as_optax, passthrough_params
-from numpyro_blr.layout import DIAGONAL, GuideLayoutError, read_layout
 
 
 class IVONSVIState(NamedTuple):
-    """``params``: the guide's unconstrained parameters; ``momentum``: IVON's gradient EMA per loc
-    (in per-example units, :math:`\\nabla U/\\lambda`); ``count``: IVON steps taken; ``nonfinite``:
-    whether the last step was skipped; ``skipped``: how many were; ``fallback_state``: the optax
-    state of non-Gaussian parameters (``()`` without a fallback)."""
+    r"""IVON's state over the guide's locs: ``momentum`` (IVON's gradient EMA per loc, in per-example
+    units :math:`\nabla U/\lambda`) and ``count`` (IVON steps taken)."""
 
-    params: dict
     momentum: dict
     count: jax.Array
-    nonfinite: jax.Array
-    skipped: jax.Array
-    fallback_state: Any
 
 
-def _finite(*trees):
-    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for t in trees for x in jax.tree.leaves(t)]))
+def ivon_guide_algorithm(lr, ess, hess_init=1.0, beta1=0.9, beta2=0.99999, weight_decay=0.0,
+                         clip_radius=float("inf"), rescale_lr=True):
+    """IVON over a guide's diagonal Gaussian blocks, for :class:`~numpyro_blr.svi.GuideOptimizer`
+    (the mapping in the module docstring)."""
+    algorithm = ivon(lr, ess, hess_init=1.0 if hess_init is None else hess_init, beta1=beta1, beta2=beta2,
+                     weight_decay=weight_decay, clip_radius=clip_radius,
+                     rescale_lr=bool(rescale_lr) and hess_init is not None)
+    lam, delta = float(ess), float(weight_decay)
+
+    def check_layout(layout, params, prefix):
+        bad = [b.loc for b in layout.blocks if b.kind != DIAGONAL]
+        if bad or not layout.blocks:
+            raise GuideLayoutError(
+                f"IVON needs a diagonal Gaussian guide ('<site>_{prefix}_loc'/'<site>_{prefix}_scale' "
+                f"or '{prefix}_loc'/'{prefix}_scale': AutoNormal, AutoDiagonalNormal); "
+                f"got parameters {sorted(params)}" + (f" (not diagonal Gaussian: {bad})" if bad else "") + "."
+            )
+
+    def init(params, layout):
+        if hess_init is not None:
+            sd = (lam * (hess_init + delta)) ** -0.5
+            for b in layout.blocks:
+                params[b.scale] = b.transform.inv(jnp.full_like(params[b.scale], sd))
+        momentum = {b.loc: jnp.zeros_like(params[b.loc]) for b in layout.blocks}
+        return params, IVONSVIState(momentum, jnp.zeros((), jnp.int32))
+
+    def step(fn, params, s, layout, i, forward_mode):
+        (loss, aux), grads = _value_and_grad(fn, x=params, forward_mode_differentiation=forward_mode)
+        locs = {b.loc: params[b.loc] for b in layout.blocks}
+        flat = FlatLayout.of(locs)
+        precision, stat = {}, {}
+        for b in layout.blocks:
+            sd = b.transform(params[b.scale])
+            _, vjp = jax.vjp(b.transform.inv, sd)
+            (dl_dsd,) = vjp(grads[b.scale])  # dL/dsigma from dL/draw
+            precision[b.loc] = 1.0 / (lam * sd**2)  # lambda (h + delta) = 1 / sigma^2
+            stat[b.loc] = (sd * dl_dsd + 1.0) / lam  # sigma*eps * grad(U/lambda) = noise * grad
+        zero = jnp.zeros((), jnp.int32)
+        state = DiagonalState(flat.ravel(locs), flat.ravel(precision), flat.ravel(s.momentum), s.count, zero, flat)
+        g_bar = flat.ravel({b.loc: grads[b.loc] for b in layout.blocks}) / lam  # grad of U/lambda at z
+        new, _ = algorithm.update(state, Estimate(loss, g_bar, lam * state.precision * flat.ravel(stat)))
+        new_params, new_locs, new_precision = dict(params), new.params, new.tree(new.precision)
+        checked = {}
+        for b in layout.blocks:
+            new_params[b.loc] = new_locs[b.loc]
+            new_params[b.scale] = b.transform.inv(lax.rsqrt(lam * new_precision[b.loc]))
+            checked[b.loc] = (grads[b.loc], new_params[b.loc])
+            checked[b.scale] = (grads[b.scale], new_params[b.scale])
+        return GuideStep(loss, aux, grads, new_params, IVONSVIState(new.tree(new.momentum), new.count), checked)
+
+    def commit(old, new, ok):
+        return jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)
+
+    def report(state, optimizer):
+        i, s = state
+        bad = sorted(k for k, v in s.nonfinite.items() if bool(v))
+        if int(s.skipped):
+            return [(("skipped", int(i)), f"IVON skipped {int(s.skipped)} of {int(i)} steps because of a non-finite "
+                     f"loss, gradient or update, for parameter(s) {bad}; those steps kept the last finite values. "
+                     "Pass a smaller lr or a larger hess_init, or check the model's log density at the current guide.")]
+        return []
+
+    return GuideAlgorithm("IVON", init, step, commit, report, check_layout)
 
 
-class IVON(_NumPyroOptim):
-    """IVON (Shen et al. 2024) for SVI with a diagonal Gaussian guide; see the module docstring.
+class IVON(GuideOptimizer):
+    r"""IVON (Shen et al. 2024) for SVI with a diagonal Gaussian guide; see the module docstring.
 
-    :param lr: learning rate :math:`\\alpha` (float or optax schedule of the step count).
-    :param ess: effective sample size :math:`\\lambda`: the number of data points the model's
+    :param lr: learning rate :math:`\alpha` (float or optax schedule of the step count).
+    :param ess: effective sample size :math:`\lambda`: the number of data points the model's
         likelihood sums over.
     :param hess_init: initial :math:`h_0` (sets the initial scales); ``None`` keeps the guide's.
-    :param beta1, beta2, clip_radius, rescale_lr: as in :func:`numpyro_blr.deep.ivon`.
-    :param weight_decay: :math:`\\delta`, an extra prior precision per example added by the
+    :param beta1, beta2, clip_radius, rescale_lr: as in :func:`numpyro_blr.ivon`.
+    :param weight_decay: :math:`\delta`, an extra prior precision per example added by the
         optimizer (default 0: the model's prior is already in the ELBO).
-    :param fallback: optax ``GradientTransformation`` for parameters outside the Gaussian (not needed
-        for ``numpyro.contrib.module``'s unread ``"{name}$params"`` placeholders, see the module docstring).
+    :param fallback: optax ``GradientTransformation`` (or NumPyro optimizer) for parameters outside the
+        Gaussian (not needed for ``numpyro.contrib.module``'s unread ``"{name}$params"`` placeholders).
     :param guide, prefix: to read a non-default autoguide prefix or scale constraint.
     """
 
     def __init__(self, lr, ess=None, hess_init: Optional[float] = 1.0, beta1=0.9, beta2=0.99999,
                  weight_decay=0.0, clip_radius=float("inf"), rescale_lr=True, *, fallback=None,
                  guide=None, prefix=None):
-        self.algorithm = ivon(lr, ess, hess_init=1.0 if hess_init is None else hess_init, beta1=beta1,
-                         beta2=beta2, weight_decay=weight_decay, clip_radius=clip_radius,
-                         rescale_lr=bool(rescale_lr) and hess_init is not None)
-        self.ess, self.delta = float(ess), float(weight_decay)
-        self.hess_init = None if hess_init is None else float(hess_init)
-        self.fallback = as_optax(fallback)
-        self.prefix = prefix or getattr(guide, "prefix", None) or "auto"
-        self.scale_constraint = getattr(guide, "scale_constraint", None)
-        self.update_with_value = False
-
-    def layout(self, params):
-        layout = read_layout(params, self.prefix, self.scale_constraint)
-        bad = [b.loc for b in layout.blocks if b.kind != DIAGONAL]
-        if bad or not layout.blocks:
-            raise GuideLayoutError(
-                f"IVON needs a diagonal Gaussian guide ('<site>_{self.prefix}_loc'/'<site>_{self.prefix}_scale' "
-                f"or '{self.prefix}_loc'/'{self.prefix}_scale': AutoNormal, AutoDiagonalNormal); "
-                f"got parameters {sorted(params)}" + (f" (not diagonal Gaussian: {bad})" if bad else "") + "."
-            )
-        if self.fallback is None and any(not k.endswith(PLACEHOLDER_SUFFIX) for k in layout.other):
-            raise GuideLayoutError(
-                f"IVON cannot treat the parameter(s) {list(layout.other)} as part of a Gaussian guide; "
-                "pass fallback=optax.adam(1e-3) (or another optax optimizer) to update them."
-            )
-        return layout
-
-    def init(self, params):
-        layout = self.layout(params)
-        params = dict(params)
-        if self.hess_init is not None:
-            sd = (self.ess * (self.hess_init + self.delta)) ** -0.5
-            for b in layout.blocks:
-                params[b.scale] = b.transform.inv(jnp.full_like(params[b.scale], sd))
-        other = {k: params[k] for k in layout.other}
-        state = IVONSVIState(
-            params=params,
-            momentum={b.loc: jnp.zeros_like(params[b.loc]) for b in layout.blocks},
-            count=jnp.zeros((), jnp.int32),
-            nonfinite=jnp.zeros((), bool),
-            skipped=jnp.zeros((), jnp.int32),
-            fallback_state=self.fallback.init(other) if self.fallback is not None else (),
-        )
-        return jnp.array(0), state
-
-    def get_params(self, state):
-        return state[1].params
-
-    def update(self, g, state, value=None):
-        raise TypeError("IVON needs the loss function: use it through numpyro.infer.SVI (eval_and_update).")
-
-    def eval_and_update(self, fn, state, forward_mode_differentiation=False):
-        return self._step(fn, state, forward_mode_differentiation, stable=False)
-
-    def eval_and_stable_update(self, fn, state, forward_mode_differentiation=False):
-        return self._step(fn, state, forward_mode_differentiation, stable=True)
-
-    def _step(self, fn, state, forward_mode, stable):
-        i, s = state
-        params = s.params
-        layout = self.layout(params)
-        passthrough = passthrough_params(fn, params, layout.other, self.fallback, "IVON")
-        (loss, aux), grads = _value_and_grad(fn, x=params, forward_mode_differentiation=forward_mode)
-        lam = self.ess
-        locs = {b.loc: params[b.loc] for b in layout.blocks}
-        flat = FlatLayout.of(locs)
-        sds, precision, stat = {}, {}, {}
-        for b in layout.blocks:
-            sd = b.transform(params[b.scale])
-            _, vjp = jax.vjp(b.transform.inv, sd)
-            (dl_dsd,) = vjp(grads[b.scale])  # dL/dsigma from dL/draw
-            sds[b.loc] = sd
-            precision[b.loc] = 1.0 / (lam * sd**2)  # lambda (h + delta) = 1 / sigma^2
-            stat[b.loc] = (sd * dl_dsd + 1.0) / lam  # sigma*eps * grad(U/lambda) = noise * grad
-        state = DiagonalState(flat.ravel(locs), flat.ravel(precision), flat.ravel(s.momentum), s.count,
-                              s.skipped, flat)
-        g_bar = flat.ravel({b.loc: grads[b.loc] for b in layout.blocks}) / lam  # grad of U/lambda at z
-        estimate = Estimate(loss, g_bar, lam * state.precision * flat.ravel(stat))
-        core, info = self.algorithm.update(state, estimate)
-
-        new_params = dict(params)
-        new_locs, new_precision = core.params, core.tree(core.precision)
-        for b in layout.blocks:
-            new_params[b.loc] = new_locs[b.loc]
-            new_params[b.scale] = b.transform.inv(lax.rsqrt(lam * new_precision[b.loc]))
-        new_fb = s.fallback_state
-        if layout.other and not passthrough:  # passthrough parameters stay as they are in new_params
-            other_g = {k: grads[k] for k in layout.other}
-            updates, new_fb = self.fallback.update(other_g, s.fallback_state, {k: params[k] for k in layout.other})
-            for k in layout.other:
-                new_params[k] = jax.tree.map(jnp.add, params[k], updates[k])  # params may be pytrees
-        ok = ~info.skipped & jnp.isfinite(loss) & _finite(new_params, new_fb)
-        new = IVONSVIState(new_params, core.tree(core.momentum), core.count, jnp.zeros((), bool), s.skipped, new_fb)
-        flagged = s._replace(nonfinite=jnp.ones((), bool), skipped=s.skipped + 1)
-        out = jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, flagged)
-        if stable:  # as numpyro's stable update: a bad step keeps the iteration count and returns nan
-            return (jnp.where(ok, loss, jnp.nan), aux), (jnp.where(ok, i + 1, i), out)
-        return (loss, aux), (i + 1, out)
+        algorithm = ivon_guide_algorithm(lr, ess, hess_init, beta1, beta2, weight_decay, clip_radius, rescale_lr)
+        super().__init__(algorithm, fallback=fallback, guide=guide, prefix=prefix)
