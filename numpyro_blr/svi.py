@@ -20,7 +20,8 @@ The algorithm is a :class:`GuideAlgorithm`: ``init(params, layout) -> (params, s
 ``step(fn, params, state, layout, step, forward_mode) -> GuideStep`` (the proposed parameters of
 its blocks, its proposed state and the arrays that must be finite), ``commit(old, new, ok) ->
 state`` (what to keep once the adapter knows whether the step was finite) and ``report(state,
-optimizer) -> [(key, message)]``.
+optimizer) -> [(key, message)]``; an algorithm with a guide of its own (parameters no autoguide
+has) also gives ``read_layout(params, optimizer) -> Layout``.
 """
 
 import warnings
@@ -84,6 +85,7 @@ class GuideAlgorithm(NamedTuple):
     commit: Callable
     report: Callable = lambda state, optimizer: []
     check_layout: Callable = lambda layout, params, prefix: None
+    read_layout: Any = None  # read_layout(params, optimizer) -> Layout, for guides of the algorithm's own
 
 
 class GuideOptimizer(_NumPyroOptim):
@@ -116,7 +118,9 @@ class GuideOptimizer(_NumPyroOptim):
     def layout(self, params):
         """The guide's blocks read from ``params`` (raises if they cannot be read)."""
         name = self.algorithm.name
-        if self.traced:
+        if self.algorithm.read_layout is not None:
+            layout = self.algorithm.read_layout(params, self)
+        elif self.traced:
             key = tuple(sorted((k, str(jax.tree.map(jnp.shape, v))) for k, v in params.items()))  # names, shapes
             if key not in self._traced_layouts:
                 args, kwargs = self.guide_args
