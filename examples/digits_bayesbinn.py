@@ -16,7 +16,9 @@ import numpy as np
 from sklearn.datasets import load_digits
 from sklearn.model_selection import train_test_split
 
-from numpyro_blr.bayesbinn import bayesbinn
+from numpyro_blr import bayesbinn
+from numpyro_blr.bayesbinn import mean as sign_mean
+from numpyro_blr.bayesbinn import predictive, sample_binary
 
 HIDDEN = 512
 
@@ -66,15 +68,15 @@ def main(epochs=60, batch=64, seed=0):
     t0 = time.time()
     for e in range(epochs):
         key, k = jax.random.split(key)
-        state, losses = epoch(state, k)
+        state, info = epoch(state, k)
         if (e + 1) % 20 == 0:
-            acc = jnp.mean(jnp.argmax(apply(opt.mean(state), X_te), -1) == y_te)
-            print(f"epoch {e + 1:3d}  train loss {float(losses.mean()):.3f}  test acc sign(mu) {float(acc):.4f}")
+            acc = jnp.mean(jnp.argmax(apply(sign_mean(state), X_te), -1) == y_te)
+            print(f"epoch {e + 1:3d}  train loss {float(info.loss.mean()):.3f}  test acc sign(mu) {float(acc):.4f}")
 
-    acc_mean = float(jnp.mean(jnp.argmax(apply(opt.mean(state), X_te), -1) == y_te))
-    probs = opt.predictive(jax.random.PRNGKey(1), state, lambda w, x: jax.nn.softmax(apply(w, x)), X_te, 32)
+    acc_mean = float(jnp.mean(jnp.argmax(apply(sign_mean(state), X_te), -1) == y_te))
+    probs = predictive(jax.random.PRNGKey(1), state, lambda w, x: jax.nn.softmax(apply(w, x)), X_te, 32)
     acc_bma = float(jnp.mean(jnp.argmax(probs, -1) == y_te))
-    one = apply(opt.sample_binary(jax.random.PRNGKey(2), state), X_te)
+    one = apply(sample_binary(jax.random.PRNGKey(2), state), X_te)
     acc_one = float(jnp.mean(jnp.argmax(one, -1) == y_te))
     print(f"test accuracy, sign(mu) network:               {acc_mean:.4f}")
     print(f"test accuracy, one sampled binary network:     {acc_one:.4f}")

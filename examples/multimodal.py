@@ -15,7 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.scipy.special import logsumexp
 
-from numpyro_blr.mixture import mixture_blr, modes, multimodal_optimization
+from numpyro_blr import mixture_blr, multimodal_optimization
+from numpyro_blr.mixture import log_prob, modes, weights
 
 
 def himmelblau(x):
@@ -40,7 +41,7 @@ def fit(K, init, steps=300):
     run = jax.jit(lambda s, key: jax.lax.scan(lambda s, k: opt.step(k, s, loss), s, jax.random.split(key, steps)))
     state, _ = run(state, jax.random.PRNGKey(0))
     x = opt.sample(jax.random.PRNGKey(1), state, 100_000)
-    r = np.asarray(opt.log_prob(state, x) - jax.vmap(log_target)(x), np.float64)
+    r = np.asarray(log_prob(state, x) - jax.vmap(log_target)(x), np.float64)
     return opt, state, r.mean(), r.std() / np.sqrt(len(r))
 
 
@@ -48,8 +49,8 @@ def main():
     K = 12
     opt = multimodal_optimization(0.5, K, weight_lr=0.1)
     state = opt.init(jax.random.uniform(jax.random.PRNGKey(0), (K, 2), minval=-5.0, maxval=5.0))
-    state, _ = jax.jit(lambda s: jax.lax.scan(lambda s, _: opt.step(s, himmelblau), s, None, length=200))(state)
-    pis = np.asarray(opt.weights(state))
+    state, _ = jax.jit(lambda s: jax.lax.scan(lambda s, _: opt.step(None, s, himmelblau), s, None, length=200))(state)
+    pis = np.asarray(weights(state))
     print(f"Himmelblau: {K} components found {len(modes(state, tol=1e-2))} distinct minima")
     for m in modes(state, himmelblau, tol=1e-2):
         w = pis[np.linalg.norm(np.asarray(state.means) - m, axis=1) < 1e-2].sum()
@@ -59,7 +60,7 @@ def main():
     print("\nBimodal target 0.3 N((-3, 0), C1) + 0.7 N((3, 1), C2):")
     for c in np.argsort(np.asarray(st2.means[:, 0])):
         print(f"  component mean ({float(st2.means[c, 0]): .4f}, {float(st2.means[c, 1]): .4f})"
-              f"   weight {float(opt2.weights(st2)[c]):.4f}")
+              f"   weight {float(weights(st2)[c]):.4f}")
     print(f"  KL(q || p), 2 components: {kl2:.5f} +- {se2:.5f}")
     singles = [fit(1, [start]) for start in ([-1.0, 0.0], [1.0, 0.0])]
     best = min(singles, key=lambda s: s[2])

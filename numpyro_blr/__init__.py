@@ -7,8 +7,6 @@ costs little more than ``import numpyro`` (``bench/bench_import.py``).
 import importlib
 
 from numpyro_blr import deep, infer, mixture
-from numpyro_blr.bayesbinn import bayesbinn
-from numpyro_blr.mixture import mixture_blr, multimodal_optimization
 from numpyro_blr.deep import IVON, adam_blr, bsam, ivon, ogn, rmsprop_blr, sgd_blr, vogn
 from numpyro_blr.guides import ExpFamilyGuide
 from numpyro_blr.families import Bernoulli, Beta, Categorical, DiagonalGaussian, Dirichlet, FullGaussian, Gamma
@@ -16,7 +14,7 @@ from numpyro_blr.infer import conjugate_fit
 from numpyro_blr.layout import GuideLayoutError, read_layout
 from numpyro_blr.optim import BLR, BLRState, FitTrace, adaptive_decay, harmonic_decay, nonfinite_parameters
 from numpyro_blr.report import FitReport, fit_report
-from numpyro_blr.presets import gradient_descent, laplace, newton, von
+from numpyro_blr.presets import bayesbinn, gradient_descent, laplace, mixture_blr, multimodal_optimization, newton, von
 from numpyro_blr.rules.diagonal import as_optax, perturbed
 from numpyro_blr.core import Algorithm, StepInfo, predictive
 

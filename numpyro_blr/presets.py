@@ -7,14 +7,22 @@ algorithm                     posterior family            natural-gradient appro
 :func:`newton`                Gaussian (full)             delta method, exact Hessian
 :func:`laplace`               Gaussian (full)             Newton to the mode, ``lr = 1``
 :func:`von`                   Gaussian                    sampled Hessian (Price), improved BLR
+:func:`mixture_blr`           mixture of Gaussians        responsibility-weighted Monte Carlo
+:func:`multimodal_            mixture of Gaussians        delta method at each component
+optimization`
+:func:`bayesbinn`             Bernoulli (:math:`\pm1`)    Gumbel-softmax relaxation
 ============================  ==========================  ===============================
 """
 
 import numpy as np
 
+from numpyro_blr.bayesbinn import BayesBiNNRule, bayesbinn_algorithm
 from numpyro_blr.core import Algorithm, check_fraction, check_positive
-from numpyro_blr.estimators import weights
+from numpyro_blr.estimators import mixture as mixture_estimators
+from numpyro_blr.estimators import relaxation, weights
+from numpyro_blr.mixture import MixtureRule, mixture_algorithm
 from numpyro_blr.optim import BLR
+from numpyro_blr.rules.blr import positivity_rule
 from numpyro_blr.rules.diagonal import DiagonalRule, diagonal_algorithm
 from numpyro_blr.tree import NOISE_RNG
 
@@ -190,3 +198,44 @@ def rmsprop_blr(lr, decay=0.9, eps=1e-8) -> Algorithm:
         eps=check_positive(eps, "eps", allow_zero=True), eps_in_sqrt=True,
     )
     return diagonal_algorithm(weights.gradient(squared=True), rule, 0.0)
+
+
+# ----------------------------------------------------------------------------- beyond one Gaussian
+# families.mixture x estimators.mixture x rules.blr.gaussian_update per component (mixture.mixture_update);
+# families.SignBernoulli x estimators.relaxation x rules.blr.natural_update (bayesbinn.bayesbinn_update).
+
+
+def mixture_blr(lr, num_components, *, weight_lr=None, covariance="full", hessian="autodiff", num_samples=1,
+                precision_init=1.0, improved=True) -> Algorithm:
+    r"""The (improved) BLR for a mixture of ``num_components`` Gaussians (Lin, Khan & Schmidt 2019;
+    :mod:`numpyro_blr.mixture`): ``num_samples`` draws per component, ``hessian`` ``'autodiff'`` or ``'price'``,
+    step sizes ``lr`` (components) and ``weight_lr`` (weights; default ``lr``), numbers or schedules;
+    ``covariance`` ``'full'`` or ``'diagonal'``; :math:`S_c = s I` initially (``precision_init``); ``improved``
+    the positivity rule (``False``: plain). ``StepInfo.loss`` is :math:`\mathbb E_q[\ell + \log q]`."""
+    rule = MixtureRule(_lr(lr), _lr(lr if weight_lr is None else weight_lr), positivity_rule(improved))
+    estimator = mixture_estimators.reparam(hessian, _count(num_samples, "num_samples"))
+    return mixture_algorithm(estimator, rule, _count(num_components, "num_components"), covariance,
+                             check_positive(precision_init, "precision_init"))
+
+
+def multimodal_optimization(lr, num_components, *, weight_lr=None, covariance="full", precision_init=1.0,
+                            improved=True, repulsion=False) -> Algorithm:
+    r"""Multimodal optimisation (Khan & Rue 2023, Table 1): :func:`mixture_blr` with the delta method at each mean
+    (``repulsion``: exact :math:`\log q` there). ``step(None, state, loss_fn)``; ``StepInfo.loss`` is :math:`\ell(m_c)`
+    per component; :func:`numpyro_blr.mixture.modes` reads off the distinct minima."""
+    rule = MixtureRule(_lr(lr), _lr(lr if weight_lr is None else weight_lr), positivity_rule(improved))
+    return mixture_algorithm(mixture_estimators.delta(repulsion), rule, _count(num_components, "num_components"),
+                             covariance, check_positive(precision_init, "precision_init"))
+
+
+def bayesbinn(lr, ess, temperature=1.0, beta=0.0, mc_samples=1, lam_init=10.0, lam_std=0.0, reweight=1.0,
+              max_scale=1e10) -> Algorithm:
+    r"""BayesBiNN (Meng, Bachmann & Khan 2020; :mod:`numpyro_blr.bayesbinn`): ``mc_samples`` relaxed draws at
+    ``temperature``, ``ess`` :math:`N` (``loss_fn`` is the *mean* mini-batch loss), momentum ``beta`` (reference
+    default 0), KL weight ``reweight``. ``init(key, params, prior_lam=None)`` starts :math:`\lambda` at
+    :math:`\pm(\lambda_{\rm init} + \sqrt{\lambda_{\rm std}}\epsilon)`, random signs; ``sample`` draws exact weights."""
+    rule = BayesBiNNRule(_lr(lr), check_fraction(beta, "beta"), check_positive(reweight, "reweight", allow_zero=True))
+    estimator = relaxation.gumbel_softmax(_ess(ess), check_positive(temperature, "temperature"),
+                                          _count(mc_samples, "mc_samples"), check_positive(max_scale, "max_scale"))
+    return bayesbinn_algorithm(estimator, rule, check_positive(lam_init, "lam_init", allow_zero=True),
+                               check_positive(lam_std, "lam_std", allow_zero=True))

@@ -5,9 +5,17 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from numpyro_blr.bayesbinn import bayesbinn, gradient_scale, relaxed_weights
+from numpyro_blr import bayesbinn
+from numpyro_blr.bayesbinn import mean, predictive, sample_binary
+from numpyro_blr.estimators.relaxation import gradient_scale, gumbel_softmax_from_grads, relaxed_sample
+from numpyro_blr.families import SignBernoulli
 
 SHAPES = {"w": (3, 4), "b": (4,)}
+
+
+def _update(opt, grads, us, state, ess, tau=1.0):
+    """The rule alone on the Gumbel-softmax estimate from gradients ``grads`` at the relaxed draws of ``us``."""
+    return opt.update(state, gumbel_softmax_from_grads(state, grads, us, ess, tau))[0]
 
 
 def _numpy_step(lam, mom, prior, grads, us, t, *, lr, ess, tau, beta, reweight):
@@ -34,7 +42,7 @@ def test_update_matches_published_equations_with_injected_noise():
     state = state._replace(lam=lam0)
     ref_lam, ref_mom = ({k: v.astype(np.float64) for k, v in lam0.items()},
                         {k: np.zeros(s) for k, s in SHAPES.items()})
-    update = jax.jit(opt.update)
+    update = jax.jit(lambda g, u, s: _update(opt, g, u, s, hyper["ess"], hyper["tau"]))
     for t in (1, 2, 3):
         us = [{k: rng.uniform(0.05, 0.95, size=s).astype(np.float32) for k, s in SHAPES.items()} for _ in range(2)]
         grads = [{k: rng.normal(size=s).astype(np.float32) for k, s in SHAPES.items()} for _ in range(2)]
@@ -53,9 +61,10 @@ def test_step_is_sample_then_update():
     state = opt.init(jax.random.PRNGKey(0), {k: jnp.zeros(s) for k, s in SHAPES.items()})
     loss_fn = lambda w: jnp.sum(w["w"] ** 2) + jnp.sum(jnp.sin(w["b"]))  # noqa: E731
     key = jax.random.PRNGKey(3)
-    new, _ = jax.jit(lambda k, s: opt.step(k, s, loss_fn))(key, state)
-    w, u = opt.sample(jax.random.split(key, 1)[0], state)
-    by_hand = jax.jit(opt.update)(jax.grad(loss_fn)(w), u, state)
+    new, info = jax.jit(lambda k, s: opt.step(k, s, loss_fn))(key, state)
+    w, u = relaxed_sample(jax.random.split(key, 1)[0], state.lam, 1.0)
+    by_hand = jax.jit(lambda g, u, s: _update(opt, g, u, s, 10.0))(jax.grad(loss_fn)(w), u, state)
+    np.testing.assert_allclose(info.loss, loss_fn(w), rtol=1e-6)
     for k in SHAPES:
         np.testing.assert_allclose(new.lam[k], by_hand.lam[k], rtol=1e-6)
 
@@ -66,7 +75,7 @@ def test_scale_is_stable_in_float32():
     s = gradient_scale(lam, u, 1.0)
     assert np.all(np.isfinite(np.asarray(s))) and np.all(np.asarray(s) > 0)
     # moderate values equal the textbook formula
-    w = relaxed_weights(lam[0], u[0], 1.0)
+    w = SignBernoulli.relaxed_from_uniform(lam[0], u[0], 1.0)
     np.testing.assert_allclose(s[0], (1 - w**2) / (1 - jnp.tanh(lam[0]) ** 2), rtol=1e-5)
     assert float(s[3]) <= 1e10 * (1 + 1e-6)
 
@@ -75,10 +84,11 @@ def test_binary_predictions():
     opt = bayesbinn(lr=0.1, ess=10.0)
     state = opt.init(jax.random.PRNGKey(0), {"w": jnp.zeros(2000)})
     state = state._replace(lam={"w": jnp.linspace(-2.0, 2.0, 2000)})
-    m = opt.mean(state)["w"]
+    m = mean(state)["w"]
     assert set(np.unique(np.asarray(m))) == {-1.0, 1.0}
     np.testing.assert_array_equal(m, np.where(np.linspace(-2, 2, 2000) <= 0, -1.0, 1.0))
-    draws = jax.jit(jax.vmap(lambda k: opt.sample_binary(k, state)["w"]))(jax.random.split(jax.random.PRNGKey(1), 400))
+    draws = jax.jit(jax.vmap(lambda k: sample_binary(k, state)["w"]))(jax.random.split(jax.random.PRNGKey(1), 400))
+    np.testing.assert_array_equal(opt.sample(jax.random.PRNGKey(1), state, 400)["w"], draws)
     assert set(np.unique(np.asarray(draws))) == {-1.0, 1.0}
     # E[w] = tanh(lam): 400 draws, sd <= 1/sqrt(400) = 0.05 per weight; check a smoothed mean
     np.testing.assert_allclose(draws.mean(0).reshape(20, 100).mean(1),
@@ -104,12 +114,12 @@ def test_trains_binary_classifier_on_separable_toy_problem():
     def run(state, key):
         return jax.lax.scan(lambda s, k: opt.step(k, s, loss_fn, X, y), state, jax.random.split(key, 1200))
 
-    state, losses = run(state, jax.random.PRNGKey(1))
-    assert int(state.skipped) == 0
-    acc = float(jnp.mean(((X @ opt.mean(state)["w"]) > 0) == (y > 0)))
+    state, info = run(state, jax.random.PRNGKey(1))
+    assert int(state.skipped) == 0 and not bool(jnp.any(info.skipped))
+    acc = float(jnp.mean(((X @ mean(state)["w"]) > 0) == (y > 0)))
     assert acc >= 0.97, acc
-    np.testing.assert_array_equal(opt.mean(state)["w"], w_true)
-    probs = opt.predictive(jax.random.PRNGKey(2), state, lambda w, x: jax.nn.sigmoid(3.0 * x @ w["w"] / np.sqrt(d)), X, 16)
+    np.testing.assert_array_equal(mean(state)["w"], w_true)
+    probs = predictive(jax.random.PRNGKey(2), state, lambda w, x: jax.nn.sigmoid(3.0 * x @ w["w"] / np.sqrt(d)), X, 16)
     assert float(jnp.mean((probs > 0.5) == (y > 0))) >= 0.95
 
 

@@ -21,7 +21,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from numpyro_blr.families.bernoulli import Bernoulli
+from numpyro_blr.families.bernoulli import Bernoulli, SignBernoulli
 from numpyro_blr.families.beta import Beta
 from numpyro_blr.families.categorical import Categorical
 from numpyro_blr.families.dirichlet import Dirichlet
@@ -127,6 +127,26 @@ def test_samples():
     relaxed_grad = jax.grad(lambda l: Bernoulli.relaxed_sample(keys[6], l, 0.5, (100,)).sum())(0.3)
     assert jnp.isfinite(relaxed_grad) and relaxed_grad > 0
     close(Categorical.relaxed_sample(keys[7], jnp.zeros(3), 0.5, (4,)).sum(-1), jnp.ones(4))
+
+
+def test_sign_bernoulli_is_bernoulli_in_pm1_units():
+    """w = 2x - 1: lam = logits/2, E[w] = tanh(lam) = 2 sigma(logits) - 1, Var[w] = 1 - tanh^2 (stable in
+    float32 where tanh saturates), exact draws with P(+1) = sigma(2 lam), and the relaxed draw equals
+    2 x_r - 1 for Bernoulli's Concrete sample x_r of the same uniform."""
+    logits = jnp.array([-3.0, -0.4, 0.0, 0.7, 5.0])
+    lam = logits / 2
+    close(SignBernoulli.expectation(lam), 2 * Bernoulli.expectation(Bernoulli.to_natural(logits)).probs - 1)
+    close(SignBernoulli.log_variance(lam), jnp.log1p(-jnp.tanh(lam) ** 2), rtol=1e-7)
+    big = jnp.array([30.0, -60.0], jnp.float32)  # 1 - tanh^2 is 0 in float32 here
+    close(SignBernoulli.log_variance(big), np.log(4.0) - 2 * np.abs(np.asarray(big, np.float64)), rtol=1e-6)
+    close(SignBernoulli.mode(lam), jnp.array([-1.0, -1.0, -1.0, 1.0, 1.0]))
+    u = jnp.linspace(0.01, 0.99, 5)
+    for tau in (0.5, 1.0):
+        x_r = jax.nn.sigmoid((logits + jnp.log(u) - jnp.log1p(-u)) / tau)  # Bernoulli.relaxed_sample's map
+        close(SignBernoulli.relaxed_from_uniform(lam, u, tau), 2 * x_r - 1, rtol=1e-9, atol=1e-12)
+    draws = SignBernoulli.from_uniform(lam[None], jax.random.uniform(jax.random.PRNGKey(0), (20_000, 5)))
+    assert set(np.unique(np.asarray(draws))) == {-1.0, 1.0}
+    assert jnp.all(jnp.abs(draws.mean(0) - jnp.tanh(lam)) < 5 * jnp.sqrt((1 - jnp.tanh(lam) ** 2) / 20_000) + 1e-3)
 
 
 # ---------------------------------------------------------------------------------------------

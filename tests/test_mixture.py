@@ -8,7 +8,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from jax.scipy.special import logsumexp
 
-from numpyro_blr.mixture import MixtureStats, mixture_blr, modes, multimodal_optimization
+from numpyro_blr import mixture_blr, multimodal_optimization
+from numpyro_blr.estimators import Estimate
+from numpyro_blr.estimators.mixture import MixtureGrad
+from numpyro_blr.mixture import log_prob, modes, weights
 from numpyro_blr.rules.blr import full_precision_update
 
 # ----------------------------------------------------------------------------- bimodal target
@@ -47,7 +50,7 @@ def _fit(K, init, hessian="autodiff", steps=300, lr=0.3, seed=0):
 def _kl(opt, state, n=20_000):
     """Monte Carlo KL(q || p) = E_q[log q - log p] and its standard error."""
     x = opt.sample(jax.random.PRNGKey(123), state, n)
-    r = np.asarray(opt.log_prob(state, x) - jax.vmap(log_target)(x), np.float64)
+    r = np.asarray(log_prob(state, x) - jax.vmap(log_target)(x), np.float64)
     return r.mean(), r.std() / np.sqrt(n)
 
 
@@ -63,8 +66,8 @@ def test_two_components_recover_modes_and_weights(fits):
     (opt, state), _ = fits
     order = np.argsort(np.asarray(state.means[:, 0]))
     means = np.asarray(state.means)[order]
-    covs = np.linalg.inv(np.asarray(state.precisions, np.float64))[order]
-    pis = np.asarray(opt.weights(state))[order]
+    covs = np.linalg.inv(np.asarray(state.precision, np.float64))[order]
+    pis = np.asarray(weights(state))[order]
     # the exact-Hessian fit has no gradient noise at the optimum (f = l + log q is constant when
     # q = p), so the only error is float32 round-off; 0.05 component sds is a generous bound on
     # the Monte Carlo error of 8 samples per component at the last steps.
@@ -99,7 +102,7 @@ def test_price_estimator_recovers_modes():
     # few percent of a component sd; 0.25 sd is > 5x that.
     sds = np.sqrt(np.diagonal(COV, axis1=1, axis2=2))
     np.testing.assert_array_less(np.abs(means - MU), 0.25 * sds)
-    np.testing.assert_allclose(np.asarray(opt.weights(state))[order], W, atol=0.05)
+    np.testing.assert_allclose(np.asarray(weights(state))[order], W, atol=0.05)
 
 
 def test_single_component_is_gaussian_blr():
@@ -108,11 +111,11 @@ def test_single_component_is_gaussian_blr():
     rng = np.random.default_rng(0)
     a = rng.normal(size=(3, 3))
     prec = jnp.asarray(a @ a.T + 3 * np.eye(3), jnp.float32)
-    state = opt.init(jnp.zeros((1, 3)), precisions=prec[None])
+    state = opt.init(jnp.zeros((1, 3)), precision=prec[None])
     quad = jnp.asarray(np.diag([2.0, -1.0, 0.5]), jnp.float32)  # indefinite curvature
     lossq = lambda x: 0.5 * x @ quad @ x + x[0]  # noqa: E731
     new, _ = jax.jit(lambda k, s: opt.step(k, s, lossq))(jax.random.PRNGKey(0), state)
-    np.testing.assert_allclose(new.precisions[0], full_precision_update(prec, None, quad, 0.3), rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(new.precision[0], full_precision_update(prec, None, quad, 0.3), rtol=1e-4, atol=1e-4)
 
 
 # ----------------------------------------------------------------------------- multimodal optimisation
@@ -133,7 +136,8 @@ def _optimise(fn, K, d, box, steps, seed=0):
     opt = multimodal_optimization(0.5, K, weight_lr=0.1)
     means = jax.random.uniform(jax.random.PRNGKey(seed), (K, d), minval=-box, maxval=box)
     state = opt.init(means)
-    state, losses = jax.jit(lambda s: jax.lax.scan(lambda s, _: opt.step(s, fn), s, None, length=steps))(state)
+    state, info = jax.jit(lambda s: jax.lax.scan(lambda s, _: opt.step(None, s, fn), s, None, length=steps))(state)
+    assert info.loss.shape == (steps, K)  # l(m_c) per component
     assert int(state.skipped) == 0
     return opt, state
 
@@ -160,14 +164,14 @@ def test_finds_all_four_himmelblau_minima():
         assert np.min(np.linalg.norm(found - m, axis=1)) < 1e-3, (m, found)
     # component precisions converge to the Hessians at the minima (Laplace approximations)
     hess = jax.vmap(jax.hessian(himmelblau))(state.means)
-    np.testing.assert_allclose(state.precisions, hess, rtol=1e-2, atol=1e-2)
+    np.testing.assert_allclose(state.precision, hess, rtol=1e-2, atol=1e-2)
 
 
 # ----------------------------------------------------------------------------- positive definiteness
 
 
 OPTS = {c: mixture_blr(lambda t: t, 3, covariance=c) for c in ("full", "diagonal")}
-UPDATE = {c: jax.jit(lambda lr, stats, state, c=c: mixture_blr(lambda t: lr, 3, covariance=c).update(stats, state))
+UPDATE = {c: jax.jit(lambda lr, est, state, c=c: mixture_blr(lambda t: lr, 3, covariance=c).update(state, est))
           for c in ("full", "diagonal")}
 
 
@@ -193,15 +197,16 @@ def test_precisions_stay_positive_definite(seed, hess_scale, lr, covariance):
     else:
         prec = rng.uniform(0.1, 10.0, size=(K, d))
         hess = -hess_scale * rng.uniform(0.0, 1.0, size=(K, d))
-    state = opt.init(jnp.asarray(rng.normal(size=(K, d)), jnp.float32), precisions=jnp.asarray(prec, jnp.float32))
-    stats = MixtureStats(
-        grad=jnp.asarray(hess_scale * rng.normal(size=(K, d)), jnp.float32),
-        hess=jnp.asarray(hess, jnp.float32),
-        value=jnp.asarray(rng.normal(size=K), jnp.float32),
+    state = opt.init(jnp.asarray(rng.normal(size=(K, d)), jnp.float32), precision=jnp.asarray(prec, jnp.float32))
+    value = jnp.asarray(rng.normal(size=K), jnp.float32)
+    est = Estimate(
+        loss=jnp.float32(jnp.nan),
+        grad=MixtureGrad(jnp.asarray(hess_scale * rng.normal(size=(K, d)), jnp.float32), value - value[-1]),
+        hessian=jnp.asarray(hess, jnp.float32),
     )
-    new = UPDATE[covariance](jnp.float32(lr), stats, state)
-    assert not bool(new.nonfinite)
-    p = np.asarray(new.precisions, np.float64)
+    new, info = UPDATE[covariance](jnp.float32(lr), est, state)
+    assert not bool(info.skipped) and int(new.skipped) == 0
+    p = np.asarray(new.precision, np.float64)
     if covariance == "full":
         assert np.all(np.linalg.eigvalsh(p) > 0)
         np.testing.assert_allclose(p, np.swapaxes(p, 1, 2), rtol=1e-5, atol=1e-5 * np.abs(p).max())

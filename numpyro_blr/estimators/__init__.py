@@ -14,6 +14,11 @@ Modules:
 :mod:`.svi`                 Gaussian blocks of a NumPyro guide, from SVI's ELBO loss: Price /
                             reparameterisation (``"reparam"``, ``"price"``), exact Hessian
                             (``"autodiff"``), delta method (``delta=True``), none
+:mod:`.mixture`             mixture of Gaussians, per component: responsibility-weighted Monte
+                            Carlo (``reparam``, exact or Price Hessian), delta method at the
+                            means (``delta``); ``grad`` a ``MixtureGrad(means, logits)``
+:mod:`.relaxation`          :math:`\pm1` Bernoulli weights: Gumbel-softmax / Concrete
+                            relaxation (BayesBiNN); ``grad`` a pytree like the weights
 ==========================  ================================================================
 """
 

@@ -1,6 +1,6 @@
 """Exponential families: conversions between natural, expectation and user parameters."""
 
-from numpyro_blr.families.bernoulli import Bernoulli
+from numpyro_blr.families.bernoulli import Bernoulli, SignBernoulli
 from numpyro_blr.families.beta import Beta
 from numpyro_blr.families.categorical import Categorical
 from numpyro_blr.families.dirichlet import Dirichlet
@@ -15,5 +15,6 @@ __all__ = [
     "Dirichlet",
     "FullGaussian",
     "Gamma",
+    "SignBernoulli",
     "precision_to_scale_tril",
 ]

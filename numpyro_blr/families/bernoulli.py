@@ -8,11 +8,12 @@ r"""Bernoulli exponential family, elementwise over arrays of any shape.
 * log-partition         :math:`A(\lambda) = \log(1 + e^\lambda)` (softplus).
 
 The BLR (Khan & Rue 2023) is :math:`\lambda \leftarrow (1-\rho)\lambda - \rho\,
-\nabla_\mu \mathbb E_q[\ell]`; every real :math:`\lambda` is valid, so no correction is needed. For
-:math:`\pm1` weights (:math:`w = 2x - 1`) this is the BayesBiNN parameterisation (Meng et al. 2020,
-:math:`\mu_w = \tanh(\lambda/2)` in these units), whose relaxed sample is :meth:`Bernoulli.relaxed_sample`.
+\nabla_\mu \mathbb E_q[\ell]`; every real :math:`\lambda` is valid, so no correction is needed.
+
+:class:`SignBernoulli` is the same family on :math:`\pm1` weights, BayesBiNN's units (Meng et al. 2020).
 """
 
+import math
 from typing import NamedTuple
 
 import jax
@@ -112,3 +113,44 @@ class Bernoulli:
     def is_valid(natural):
         """``True`` where the logit is finite (every real logit is valid)."""
         return jnp.isfinite(natural.logits)
+
+
+class SignBernoulli:
+    r"""The Bernoulli family on :math:`w = 2x - 1 \in \{-1, +1\}`, elementwise: :math:`q(w) \propto e^{\lambda w}`.
+
+    :math:`\lambda` is half :class:`Bernoulli`'s logit, :math:`\mu = \mathbb E[w] = \tanh\lambda` and
+    :math:`\operatorname{Var}[w] = 1 - \mu^2 = \partial\mu/\partial\lambda`. Draws are maps of uniforms ``u`` in
+    (0, 1), which an estimator can then reuse: exact, or the Concrete / Gumbel-softmax relaxation at
+    temperature :math:`\tau` (Maddison et al. 2017; Jang et al. 2017; :meth:`Bernoulli.relaxed_sample` in these units).
+    """
+
+    @staticmethod
+    def expectation(lam):
+        return jnp.tanh(lam)
+
+    @staticmethod
+    def log_variance(lam):
+        r""":math:`\log(1 - \tanh^2\lambda) = \log 4 - 2|\lambda| - 2\log(1 + e^{-2|\lambda|})`, exact where
+        :math:`\tanh` saturates."""
+        a = jnp.abs(lam)
+        return math.log(4.0) - 2.0 * a - 2.0 * jnp.log1p(jnp.exp(-2.0 * a))
+
+    @staticmethod
+    def mode(lam):
+        r""":math:`\operatorname{sign}\mu`, :math:`-1` where :math:`\mu \le 0`."""
+        return jnp.where(lam <= 0, -1.0, 1.0).astype(lam.dtype)
+
+    @staticmethod
+    def from_uniform(lam, u):
+        r"""Exact draw: :math:`+1` where :math:`u < \sigma(2\lambda) = P(w = +1)`."""
+        return jnp.where(u < jax.nn.sigmoid(2.0 * lam), 1.0, -1.0).astype(lam.dtype)
+
+    @staticmethod
+    def relaxed_argument(lam, u, temperature):
+        r""":math:`a = (\lambda + \tfrac12\log\frac{u}{1-u})/\tau`."""
+        return (lam + 0.5 * (jnp.log(u) - jnp.log1p(-u))) / temperature
+
+    @staticmethod
+    def relaxed_from_uniform(lam, u, temperature):
+        r"""Relaxed draw :math:`w_r = \tanh a` (:meth:`relaxed_argument`), differentiable in :math:`\lambda`."""
+        return jnp.tanh(SignBernoulli.relaxed_argument(lam, u, temperature))

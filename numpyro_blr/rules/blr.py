@@ -40,11 +40,15 @@ In whitened coordinates (:math:`S = I`, :math:`M` the whitened :math:`\hat H`) e
   otherwise. Both keep :math:`K \succeq I/2`; they differ from the eigenvalue split only on
   eigenvalues in :math:`[1/2, 1)` (plain there) and, in a step where some eigenvalue is below
   :math:`1/2` (negative curvature), on the others (improved there).
+
+:func:`gaussian_update` is the whole step (precision, then mean) for one Gaussian or, ``vmap``-ed,
+for the components of a mixture. Families whose natural parameters are unconstrained (Bernoulli,
+Categorical) need no positivity rule: :func:`natural_update` is their step, with a prior and momentum.
 """
 
 import jax.numpy as jnp
 from jax import lax
-from jax.scipy.linalg import solve_triangular
+from jax.scipy.linalg import cho_solve, solve_triangular
 
 from numpyro_blr.families.gaussian import precision_to_scale_tril, scale_tril_to_precision
 
@@ -116,6 +120,27 @@ def full_precision_update(precision, covariance, hess, lr, improved=True):
     else:
         new = (1.0 - lr) * precision + lr * hess  # = precision + lr * g, exact at lr = 1
     return 0.5 * (new + new.T)
+
+
+def gaussian_update(mean, precision, grad, hess, lr, improved=True):
+    r"""The whole step of the module docstring, :math:`S` then :math:`m \leftarrow m - \rho S_{\rm new}^{-1}\hat g`:
+    ``(mean, precision)`` for a diagonal (shaped like ``mean``) or dense ``precision``. The dense improved
+    :math:`S_{\rm new} = F F^\top` (:func:`improved_precision_factor`) is never factorised: its Cholesky
+    factor is read off a QR of :math:`F^\top`; the other rules factorise :math:`S_{\rm new}` (NaN if not PD).
+    """
+    if jnp.ndim(precision) == jnp.ndim(mean):
+        new = diagonal_precision_update(precision, hess, lr, improved)
+        return mean - lr * grad / new, new
+    if positivity_rule(improved) == "improved":
+        f = improved_precision_factor(jnp.linalg.cholesky(precision), hess, lr)
+        r = jnp.linalg.qr(f.T, mode="r")
+        chol = (r * jnp.sign(jnp.diagonal(r))[:, None]).T  # F F^T = chol chol^T
+        new = f @ f.T
+        new = 0.5 * (new + new.T)
+    else:
+        new = full_precision_update(precision, None, hess, lr, improved)
+        chol = jnp.linalg.cholesky(new)
+    return mean - lr * cho_solve((chol, True), grad), new
 
 
 def inverse_scale_tril(scale_tril):
@@ -211,3 +236,15 @@ def momentum_update(momentum, grad, beta, step):
     new = beta * momentum + (1.0 - beta) * grad
     corrected = new / (1.0 - jnp.asarray(beta, new.dtype) ** step)
     return new, corrected
+
+
+def natural_update(lam, momentum, grad, prior_lam, lr, beta, step, reweight=1.0):
+    r"""The BLR on an unconstrained natural parameter :math:`\lambda` with prior :math:`\lambda_0` and momentum
+    (BayesBiNN, Meng et al. 2020): :func:`momentum_update` of :math:`\hat g + \kappa(\lambda - \lambda_0)`, then
+    :math:`\lambda \leftarrow \lambda - \rho\,\bar m/(1 - \beta^t)`. :math:`\hat g \approx \nabla_\mu \mathbb E_q[\ell]`
+    (likelihood only; the conjugate prior's KL term contributes :math:`\lambda - \lambda_0`), :math:`\kappa` =
+    ``reweight`` (1: the BLR; with :math:`\beta = 0`, :math:`\lambda \leftarrow (1-\rho)\lambda + \rho\lambda_0 - \rho\hat g`).
+    Elementwise; returns ``(lam, momentum)``.
+    """
+    mom, corrected = momentum_update(momentum, grad + reweight * (lam - prior_lam), beta, step)
+    return (lam - lr * corrected).astype(lam.dtype), mom
