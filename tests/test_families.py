@@ -5,7 +5,8 @@
   digamma equations by Newton's method);
 * entropy and log density against ``numpyro.distributions``;
 * samples: Monte Carlo means, and the implicit reparameterisation gradient of the Gamma;
-* sufficient statistics (``log q = lam . T - A``) and the NumPyro distribution of each family;
+* sufficient statistics (``log q = lam . T - A``) and the NumPyro distribution of each family, and
+  the registry's rows (supports, priors, guide parameters);
 * BLR updates: exact at ``lr = 1`` (plain), the improved step is a retraction (agrees with the plain
   step to second order in ``lr``), the Gamma direction is the Fisher natural gradient in
   ``(a, b/a)`` (checked by autodiff), and hypothesis property tests: the improved updates keep the
@@ -28,6 +29,7 @@ from numpyro_blr.families.categorical import Categorical
 from numpyro_blr.families.dirichlet import Dirichlet
 from numpyro_blr.families.gamma import Gamma
 from numpyro_blr.families.gaussian import FullGaussian
+from numpyro_blr.families.registry import FAMILIES, allowed_families, default_family, for_prior, prior_names
 
 
 @pytest.fixture(autouse=True)
@@ -256,6 +258,34 @@ def test_full_gaussian_statistics_and_blr_update():
     assert bool(FullGaussian.is_valid(new))
     g = 2.0 * bad.mu2 - precision
     close(-2.0 * new.eta2, precision + 0.5 * g + 0.125 * g @ jnp.linalg.solve(precision, g), rtol=1e-10)
+
+
+def test_registry():
+    """One row per family: guide parameters with a constraint each; which family a support gets
+    (ExpFamilyGuide) and which family a prior belongs to (conjugate_fit)."""
+    from numpyro.distributions import constraints as c
+
+    for info in FAMILIES.values():
+        assert len(info.params) == len(info.constraints)
+        assert info.discrete == (info.name in ("bernoulli", "categorical"))
+    supports = [  # (support, default family, allowed families)
+        (c.real, "normal", ("normal",)), (c.real_vector, "normal", ("normal",)), (c.positive, "gamma", ("gamma", "normal")),
+        (c.unit_interval, "beta", ("beta", "normal")), (c.simplex, "dirichlet", ("dirichlet", "normal")),
+        (c.boolean, "bernoulli", ("bernoulli", "categorical")), (c.integer_interval(0, 3), "categorical", ("categorical",)),
+        (c.interval(2.0, 5.0), None, ("normal",)), (c.nonnegative, None, ("normal",)), (c.nonnegative_integer, None, ()),
+    ]
+    for support, default, allowed in supports:
+        assert (default_family(support), allowed_families(support)) == (default, allowed), support
+    priors = {
+        dist.Normal(0.0, 1.0): "multivariate_normal", dist.MultivariateNormal(jnp.zeros(2), jnp.eye(2)): "multivariate_normal",
+        dist.Gamma(2.0, 1.0): "gamma", dist.Exponential(1.0): "gamma", dist.Beta(1.0, 2.0): "beta",
+        dist.Dirichlet(jnp.ones(3)): "dirichlet", dist.Bernoulli(0.3): "bernoulli", dist.Bernoulli(logits=0.3): "bernoulli",
+        dist.Categorical(jnp.ones(3) / 3): "categorical", dist.Categorical(logits=jnp.zeros(3)): "categorical",
+    }
+    for d, name in priors.items():
+        assert for_prior(d).name == name
+    assert for_prior(dist.LogNormal(0.0, 1.0)) is None
+    assert prior_names() == "Normal, MultivariateNormal, Gamma, Exponential, Beta, Dirichlet, Bernoulli, Categorical"
 
 
 # hypothesis: adversarial gradients and steps

@@ -14,6 +14,10 @@ Modules:
 :mod:`.svi`                 Gaussian blocks of a NumPyro guide, from SVI's ELBO loss: Price /
                             reparameterisation (``"reparam"``, ``"price"``), exact Hessian
                             (``"autodiff"``), delta method (``delta=True``), none
+:mod:`.implicit`            Gamma / Beta / Dirichlet sites: the implicit-reparameterisation
+                            gradient mapped to :math:`\nabla_\mu` by :math:`J^{-\top}`
+:mod:`.discrete`            Bernoulli / Categorical sites: enumeration (local expectation
+                            gradients), score function with a leave-one-out baseline
 ==========================  ================================================================
 """
 
