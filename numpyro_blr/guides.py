@@ -1,22 +1,15 @@
 r"""``ExpFamilyGuide``: a mean-field guide with an exponential family per latent site, chosen by support.
 
-==================================  ===============  =========================================
-model site support                  family           guide parameters (``{site}_{prefix}_...``)
-==================================  ===============  =========================================
-real, real_vector                   ``"normal"``     ``normal_loc``, ``normal_scale``
-positive                            ``"gamma"``      ``gamma_concentration``, ``gamma_rate``
-unit_interval                       ``"beta"``       ``beta_concentration1``, ``beta_concentration0``
-simplex                             ``"dirichlet"``  ``dirichlet_concentration``
-boolean                             ``"bernoulli"``  ``bernoulli_logits``
-integer_interval(0, K-1)            ``"categorical"`` ``categorical_logits`` (``K`` per element)
-==================================  ===============  =========================================
-
+Which family a support gets, the guide parameters (``{site}_{prefix}_{family}_{param}``), their
+constraints and the guide's distributions are read from :mod:`numpyro_blr.families.registry`:
+real -> ``"normal"``, positive -> ``"gamma"``, unit_interval -> ``"beta"``, simplex ->
+``"dirichlet"``, boolean -> ``"bernoulli"``, integer_interval(0, K-1) -> ``"categorical"``.
 ``families={"site": "normal"}`` overrides the choice; ``"normal"`` fits any continuous support
 (a Gaussian on the unconstrained value, mapped through ``biject_to(support)``, as ``AutoNormal``),
 ``"categorical"`` also fits a boolean site. ``nb.BLR`` reads these names (see
 :mod:`numpyro_blr.layout`): Normal sites get the Gaussian BLR, the others the family's BLR step
 (:mod:`numpyro_blr.expfam_blocks`); discrete sites are enumerated element by element inside the
-optimizer, so their gradient has no score-function noise.
+optimizer (:mod:`numpyro_blr.estimators.discrete`), so their gradient has no score-function noise.
 
 Continuous non-Gaussian sites are drawn with NumPyro's implicitly reparameterised samplers (Gamma,
 Beta, Dirichlet). Discrete sites are drawn exactly; with an optimizer other than ``nb.BLR`` their
@@ -28,65 +21,14 @@ from contextlib import ExitStack
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import numpyro
 import numpyro.distributions as dist
 from numpyro import handlers
 from numpyro.distributions import constraints
 from numpyro.distributions.transforms import biject_to
 
-from numpyro_blr import expfam_blocks
-from numpyro_blr.layout import EXPFAM_PARAMS
-
-CONTINUOUS_FAMILIES = ("normal", "gamma", "beta", "dirichlet")
-
-
-def _base_support(support):
-    while isinstance(support, constraints.independent):
-        support = support.base_constraint
-    return support
-
-
-def _is_zero(x):
-    try:
-        return float(np.max(np.abs(np.asarray(x)))) == 0.0
-    except Exception:  # noqa: BLE001 - a traced bound cannot be checked
-        return False
-
-
-def _num_categories(support):
-    """``K`` for ``integer_interval(0, K-1)`` with a concrete upper bound (else None)."""
-    if isinstance(support, constraints._IntegerInterval) and _is_zero(support.lower_bound):
-        ub = np.asarray(support.upper_bound)
-        if ub.size and np.all(ub == ub.flat[0]):
-            return int(ub.flat[0]) + 1
-    return None
-
-
-def default_family(support):
-    """The family for a support, or None if there is none."""
-    base = _base_support(support)
-    if base is constraints.boolean:
-        return "bernoulli"
-    if _num_categories(base) is not None:
-        return "categorical"
-    if base is constraints.real:
-        return "normal"
-    if isinstance(base, constraints._Simplex):
-        return "dirichlet"
-    if isinstance(base, constraints._GreaterThan) and not isinstance(base, constraints._GreaterThanEq) and _is_zero(base.lower_bound):
-        return "gamma"
-    if isinstance(base, constraints._Interval) and _is_zero(base.lower_bound) and _is_zero(np.asarray(base.upper_bound) - 1):
-        return "beta"
-    return None
-
-
-def allowed_families(support):
-    if support.is_discrete:
-        fam = default_family(support)
-        return ("bernoulli", "categorical") if fam == "bernoulli" else ((fam,) if fam else ())
-    fam = default_family(support)
-    return tuple(dict.fromkeys(([fam] if fam else []) + ["normal"]))
+from numpyro_blr.estimators.discrete import MAX_ENUMERATE, SCORE_SAMPLES
+from numpyro_blr.families.registry import FAMILIES, GUIDE_FAMILIES, allowed_families, base_support, default_family, num_categories
 
 
 class ExpFamilyGuide:
@@ -106,14 +48,14 @@ class ExpFamilyGuide:
         (leave-one-out baseline), i.e. its number of loss evaluations.
     """
 
-    def __init__(self, model, families=None, init_scale=0.1, prefix="blr", max_enumerate=expfam_blocks.MAX_ENUMERATE,
-                 score_samples=expfam_blocks.SCORE_SAMPLES):
+    def __init__(self, model, families=None, init_scale=0.1, prefix="blr", max_enumerate=MAX_ENUMERATE,
+                 score_samples=SCORE_SAMPLES):
         if not (isinstance(init_scale, (int, float)) and init_scale > 0):
             raise ValueError(f"init_scale must be a positive float, got {init_scale!r}.")
         families = dict(families or {})
         for site, fam in families.items():
-            if fam not in EXPFAM_PARAMS:
-                raise ValueError(f"families[{site!r}] = {fam!r} is not one of {sorted(EXPFAM_PARAMS)}.")
+            if fam not in GUIDE_FAMILIES:
+                raise ValueError(f"families[{site!r}] = {fam!r} is not one of {sorted(GUIDE_FAMILIES)}.")
         self.model = model
         self.families = families
         self.init_scale = float(init_scale)
@@ -217,8 +159,7 @@ class ExpFamilyGuide:
             return {"concentration": c * center}
         if fam == "bernoulli":
             return {"logits": jnp.zeros(shape, dtype)}
-        k = _num_categories(_base_support(support)) if default_family(support) == "categorical" else 2
-        return {"logits": jnp.zeros(shape + (k,), dtype)}
+        return {"logits": jnp.zeros(shape + (num_categories(support),), dtype)}
 
     def _param_name(self, site, fam, p):
         return f"{site}_{self.prefix}_{fam}_{p}"
@@ -227,29 +168,16 @@ class ExpFamilyGuide:
     def _dist(self, name, values):
         """The guide distribution of site ``name`` from its user parameters ``values`` (dict)."""
         info = self.sites[name]
-        fam, event_dim = info["family"], info["event_dim"]
-        if fam == "normal":
-            base = dist.Normal(values["loc"], values["scale"])
-            base = base.to_event(event_dim) if event_dim else base
-            t = biject_to(info["support"])
-            return base if _base_support(info["support"]) is constraints.real else dist.TransformedDistribution(base, t)
-        if fam == "gamma":
-            d = dist.Gamma(values["concentration"], values["rate"])
-        elif fam == "beta":
-            d = dist.Beta(values["concentration1"], values["concentration0"])
-        elif fam == "dirichlet":
-            d = dist.Dirichlet(values["concentration"])
-            event_dim -= 1
-        elif fam == "bernoulli":
-            d = dist.Bernoulli(logits=values["logits"])
-        else:
-            d = dist.Categorical(logits=values["logits"])
-        return d.to_event(event_dim) if event_dim > 0 else d
+        fam, event_dim = FAMILIES[info["family"]], info["event_dim"]
+        d = fam.distribution(*[values[p] for p in fam.params])
+        if fam.name == "normal" and base_support(info["support"]) is not constraints.real:
+            d = dist.TransformedDistribution(d.to_event(event_dim), biject_to(info["support"]))
+            event_dim = 0
+        return d.to_event(event_dim - fam.event_dim)
 
     def _values(self, name, params):
-        info = self.sites[name]
-        fam = info["family"]
-        return {p: params[self._param_name(name, fam, p)] for p in EXPFAM_PARAMS[fam]}
+        fam = self.sites[name]["family"]
+        return {p: params[self._param_name(name, fam, p)] for p in FAMILIES[fam].params}
 
     # -- the guide ----------------------------------------------------------------------------
     def __call__(self, *args, **kwargs):
@@ -258,41 +186,18 @@ class ExpFamilyGuide:
         plates = {n: numpyro.plate(n, size, dim=dim) for n, (size, dim) in self.plates.items()}
         result = {}
         for name, info in self.sites.items():
-            fam = info["family"]
-            values = {}
-            for p in EXPFAM_PARAMS[fam]:
-                init = info["init"][p]
-                if fam == "normal":
-                    constraint = constraints.softplus_positive if p == "scale" else constraints.real
-                else:
-                    constraint = expfam_blocks.PARAM_CONSTRAINT[fam]
-                values[p] = numpyro.param(self._param_name(name, fam, p), init, constraint=constraint)
+            fam = FAMILIES[info["family"]]
+            values = {
+                p: numpyro.param(self._param_name(name, fam.name, p), info["init"][p], constraint=c)
+                for p, c in zip(fam.params, fam.constraints)
+            }
             with ExitStack() as stack:
                 for f in info["frames"]:
                     stack.enter_context(plates[f])
-                d = self._dist(name, values)
-                if fam in expfam_blocks.DISCRETE:
-                    result[name] = self._sample_discrete(name, info, d, values["logits"])
-                else:
-                    result[name] = numpyro.sample(name, d)
+                # a discrete site is drawn from its logits: nb.BLR sets a value by setting the logits
+                # (numpyro_blr.estimators.discrete), no state outside the parameters
+                result[name] = numpyro.sample(name, self._dist(name, values))
         return result
-
-    def _sample_discrete(self, name, info, d, logits):
-        """Draw the site; while nb.BLR estimates its gradient, one element (enumeration) or the whole
-        site (score-function draws) is set to a given value."""
-        key = numpyro.prng_key()
-        if key is None:
-            return numpyro.sample(name, d)
-        value = d.sample(key).astype(info["dtype"])
-        forced = expfam_blocks.forced_value(self._param_name(name, info["family"], "logits"))
-        if forced is not None:
-            idx, v = forced
-            if idx is None:  # the whole site (score-function draws)
-                value = jnp.broadcast_to(jnp.asarray(v, value.dtype), value.shape)
-            else:  # one element (enumeration)
-                value = value.reshape(-1).at[idx].set(jnp.asarray(v, value.dtype)).reshape(value.shape)
-        with handlers.substitute(data={name: value}):
-            return numpyro.sample(name, d)
 
     # -- accessors ----------------------------------------------------------------------------
     def _check(self):
@@ -323,10 +228,8 @@ class ExpFamilyGuide:
             v = self._values(name, params)
             if fam == "normal":
                 out[name] = biject_to(self.sites[name]["support"])(v["loc"])
-            elif fam == "categorical":
+            elif fam == "categorical":  # NumPyro's Categorical has no mean
                 out[name] = jnp.sum(jax.nn.softmax(v["logits"], -1) * jnp.arange(v["logits"].shape[-1]), -1)
-            elif fam == "bernoulli":
-                out[name] = jax.nn.sigmoid(v["logits"])
             else:
                 out[name] = d.mean
         return out

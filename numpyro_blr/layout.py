@@ -33,23 +33,12 @@ import numpy as np
 from numpyro.distributions import constraints
 from numpyro.distributions.transforms import ScaledUnitLowerCholeskyTransform, biject_to
 
+from numpyro_blr.families.registry import FAMILIES, GUIDE_FAMILIES
+
 DIAGONAL = "diagonal"
 FULL = "full"
 POINT = "point"
 EXPFAM = "expfam"
-
-# ExpFamilyGuide (numpyro_blr.guides) names its parameters ``{site}_{prefix}_{family}_{param}``;
-# every parameter of one family must be present for the site to be read as a block. ``normal``
-# sites become ordinary diagonal Gaussian blocks (softplus scale); the others are EXPFAM blocks,
-# updated by numpyro_blr.expfam_blocks.
-EXPFAM_PARAMS = {
-    "normal": ("loc", "scale"),
-    "gamma": ("concentration", "rate"),
-    "beta": ("concentration1", "concentration0"),
-    "dirichlet": ("concentration",),
-    "bernoulli": ("logits",),
-    "categorical": ("logits",),
-}
 
 
 @dataclass(frozen=True)
@@ -131,7 +120,7 @@ class GatherScaledUnitLowerCholesky(ScaledUnitLowerCholeskyTransform):
 @dataclass(frozen=True)
 class ExpFamBlock:
     """One ExpFamilyGuide site with a non-Gaussian family; ``names`` are its raw parameters in
-    the order of :data:`EXPFAM_PARAMS`, ``loc`` the first of them (a handle for per-block state)."""
+    the registry's order (``FAMILIES[family].params``), ``loc`` the first of them (a handle for per-block state)."""
 
     kind: str
     loc: str
@@ -141,12 +130,15 @@ class ExpFamBlock:
 
 
 def _read_expfam(params, used):
-    """ExpFamilyGuide blocks: ``{stem}_{family}_{param}`` names with all of the family's params."""
+    """ExpFamilyGuide blocks: ``{stem}_{family}_{param}`` names with all of the family's params (the
+    registry's ``params``). ``normal`` sites are diagonal Gaussian blocks, the others EXPFAM blocks
+    (updated by :mod:`numpyro_blr.expfam_blocks`)."""
     blocks = []
     for name in sorted(params):
         if name in used:
             continue
-        for family, pnames in EXPFAM_PARAMS.items():
+        for family in GUIDE_FAMILIES:
+            pnames = FAMILIES[family].params
             suffix = f"_{family}_{pnames[0]}"
             if not name.endswith(suffix) or len(name) == len(suffix):
                 continue
@@ -160,7 +152,7 @@ def _read_expfam(params, used):
                         f"{names[0]!r} has shape {params[names[0]].shape} but {names[1]!r} has shape "
                         f"{params[names[1]].shape}: a diagonal Gaussian needs equal shapes."
                     )
-                blocks.append(GaussianBlock(DIAGONAL, names[0], names[1], constraints.softplus_positive))
+                blocks.append(GaussianBlock(DIAGONAL, names[0], names[1], FAMILIES[family].constraints[1]))
             else:
                 blocks.append(ExpFamBlock(EXPFAM, names[0], family, names, stem))
             used.update(names)

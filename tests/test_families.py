@@ -5,6 +5,8 @@
   digamma equations by Newton's method);
 * entropy and log density against ``numpyro.distributions``;
 * samples: Monte Carlo means, and the implicit reparameterisation gradient of the Gamma;
+* sufficient statistics (``log q = lam . T - A``) and the NumPyro distribution of each family, and
+  the registry's rows (supports, priors, guide parameters);
 * BLR updates: exact at ``lr = 1`` (plain), the improved step is a retraction (agrees with the plain
   step to second order in ``lr``), the Gamma direction is the Fisher natural gradient in
   ``(a, b/a)`` (checked by autodiff), and hypothesis property tests: the improved updates keep the
@@ -26,6 +28,8 @@ from numpyro_blr.families.beta import Beta
 from numpyro_blr.families.categorical import Categorical
 from numpyro_blr.families.dirichlet import Dirichlet
 from numpyro_blr.families.gamma import Gamma
+from numpyro_blr.families.gaussian import FullGaussian
+from numpyro_blr.families.registry import FAMILIES, allowed_families, default_family, for_prior, prior_names
 
 
 @pytest.fixture(autouse=True)
@@ -234,6 +238,74 @@ def test_gamma_direction_is_fisher_natural_gradient():
     fisher, direction, step = compute(a, b)
     close(fisher[0, 1], 0.0, atol=1e-12)  # diagonal in (a, b/a)
     close(step, direction, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_statistics_and_numpyro_distribution(name):
+    """log q(x) = lam . T(x) - A(lam) (base measure 1); ``to_numpyro`` is NumPyro's distribution of the
+    same q, and ``from_numpyro`` reads the user parameters back."""
+    fam, user, ref, x = cases()[name]
+    lam = fam.to_natural(*user)
+    t = fam.sufficient_statistics(x, *([user[0].shape[-1]] if name == "categorical" else []))
+    close(sum(jnp.sum(l * s) for l, s in zip(lam, t)) - fam.log_partition(lam), fam.log_prob(x, *user), rtol=1e-10)
+    d = fam.to_numpyro(*user)
+    assert type(d) is type(ref)
+    close(jnp.sum(d.log_prob(x)), fam.log_prob(x, *user), rtol=1e-12)
+    back = fam.from_numpyro(ref)
+    tree_close(back if isinstance(back, tuple) else (back,), user, rtol=1e-12)
+
+
+def test_full_gaussian_statistics_and_blr_update():
+    """The dense Gaussian (conjugate_fit's family): log q = lam . T - A; the plain step is exactly
+    -grad_mu at lr = 1; the improved step keeps the plain fixed point, keeps the precision positive
+    definite for a gradient that makes the plain step indefinite, and its precision is
+    S + lr G + lr^2/2 G S^-1 G (G = 2 grad_mu2 - S, Lin, Schmidt & Khan 2020)."""
+    rng = np.random.default_rng(3)
+    a = rng.normal(size=(3, 3))
+    mean, precision, x = jnp.asarray(rng.normal(size=3)), jnp.asarray(a @ a.T + np.eye(3)), jnp.asarray(rng.normal(size=3))
+    lam = FullGaussian.to_natural(mean, precision)
+    t = FullGaussian.sufficient_statistics(x)
+    close(lam.eta1 @ t.mu1 + jnp.sum(lam.eta2 * t.mu2) - FullGaussian.log_partition(lam), FullGaussian.log_prob(x, mean, precision))
+    tree_close(FullGaussian.from_numpyro(FullGaussian.to_numpyro(mean, precision)), (mean, precision), rtol=1e-12)
+    target = FullGaussian.to_natural(mean + 1.0, 2.0 * precision)
+    grad_mu = FullGaussian.Expectation(-target.eta1, -target.eta2)
+    for got, want in zip(FullGaussian.blr_update(lam, grad_mu, 1.0, improved=False), target):
+        np.testing.assert_array_equal(got, want)
+    tree_close(FullGaussian.blr_update(target, grad_mu, 0.7, improved=True), target, rtol=1e-12, atol=1e-12)
+    bad = FullGaussian.Expectation(jnp.ones(3), -5.0 * jnp.eye(3))  # E[hessian] = -10 I
+    assert not bool(FullGaussian.is_valid(FullGaussian.blr_update(lam, bad, 0.5, improved=False)))
+    new = FullGaussian.blr_update(lam, bad, 0.5, improved=True)
+    assert bool(FullGaussian.is_valid(new))
+    g = 2.0 * bad.mu2 - precision
+    close(-2.0 * new.eta2, precision + 0.5 * g + 0.125 * g @ jnp.linalg.solve(precision, g), rtol=1e-10)
+
+
+def test_registry():
+    """One row per family: guide parameters with a constraint each; which family a support gets
+    (ExpFamilyGuide) and which family a prior belongs to (conjugate_fit)."""
+    from numpyro.distributions import constraints as c
+
+    for info in FAMILIES.values():
+        assert len(info.params) == len(info.constraints)
+        assert info.discrete == (info.name in ("bernoulli", "categorical"))
+    supports = [  # (support, default family, allowed families)
+        (c.real, "normal", ("normal",)), (c.real_vector, "normal", ("normal",)), (c.positive, "gamma", ("gamma", "normal")),
+        (c.unit_interval, "beta", ("beta", "normal")), (c.simplex, "dirichlet", ("dirichlet", "normal")),
+        (c.boolean, "bernoulli", ("bernoulli", "categorical")), (c.integer_interval(0, 3), "categorical", ("categorical",)),
+        (c.interval(2.0, 5.0), None, ("normal",)), (c.nonnegative, None, ("normal",)), (c.nonnegative_integer, None, ()),
+    ]
+    for support, default, allowed in supports:
+        assert (default_family(support), allowed_families(support)) == (default, allowed), support
+    priors = {
+        dist.Normal(0.0, 1.0): "multivariate_normal", dist.MultivariateNormal(jnp.zeros(2), jnp.eye(2)): "multivariate_normal",
+        dist.Gamma(2.0, 1.0): "gamma", dist.Exponential(1.0): "gamma", dist.Beta(1.0, 2.0): "beta",
+        dist.Dirichlet(jnp.ones(3)): "dirichlet", dist.Bernoulli(0.3): "bernoulli", dist.Bernoulli(logits=0.3): "bernoulli",
+        dist.Categorical(jnp.ones(3) / 3): "categorical", dist.Categorical(logits=jnp.zeros(3)): "categorical",
+    }
+    for d, name in priors.items():
+        assert for_prior(d).name == name
+    assert for_prior(dist.LogNormal(0.0, 1.0)) is None
+    assert prior_names() == "Normal, MultivariateNormal, Gamma, Exponential, Beta, Dirichlet, Bernoulli, Categorical"
 
 
 # hypothesis: adversarial gradients and steps

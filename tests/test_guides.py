@@ -6,12 +6,15 @@ import numpy as np
 import numpyro
 import numpyro.distributions as dist
 import pytest
+from numpyro import handlers
 from numpyro.infer import MCMC, NUTS, SVI, Trace_ELBO
 from numpyro.infer.autoguide import AutoNormal
+from numpyro.infer.util import log_density
 from sklearn.datasets import load_linnerud, load_wine
 
 import numpyro_blr as nb
-from numpyro_blr import expfam_blocks
+from numpyro_blr.estimators import discrete
+from numpyro_blr.families.registry import FAMILIES
 from numpyro_blr.guides import ExpFamilyGuide
 
 # ---------------------------------------------------------------- real data, conjugate model
@@ -178,7 +181,8 @@ def _setup(model, x, **guide_kwargs):
 
 def _score_estimates(block, loss_fn, params, replicates, samples=32):
     keys = jax.random.split(jax.random.PRNGKey(1), replicates)
-    return jax.jit(jax.vmap(lambda k: expfam_blocks.grad_mu_score(block, loss_fn, params, k, samples)))(keys)
+    fam = FAMILIES[block.family].family
+    return jax.jit(jax.vmap(lambda k: discrete.score_function(fam, loss_fn, params, block.loc, k, samples).grad.probs))(keys)
 
 
 @pytest.mark.slow
@@ -190,14 +194,15 @@ def test_score_function_gradient_is_unbiased(model):
     80 elements P(max |z| > 4.5) < 80 * 7e-6."""
     x = X_OBS if model is binary_model else X_OBS[:30]
     _, params, block, loss_fn = _setup(model, x)
-    assert expfam_blocks.enumeration_size(block.family, params[block.loc]) > expfam_blocks.MAX_ENUMERATE
+    fam = FAMILIES[block.family].family
+    assert discrete.enumeration_size(fam, params[block.loc]) > discrete.MAX_ENUMERATE
     params = {k: v + jnp.linspace(-1.0, 1.0, v.size).reshape(v.shape) for k, v in params.items()}  # q != uniform
     exact = closed_form_grad_mu(model, x)
     est = _score_estimates(block, loss_fn, params, 400)
     z = (est.mean(0) - exact) / (est.std(0) / np.sqrt(est.shape[0]))
     assert np.max(np.abs(z)) < 4.5
     # and the enumeration path (forced by a large max_enumerate) is exact
-    np.testing.assert_allclose(expfam_blocks.grad_mu_enumerated(block, loss_fn, params), exact, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(discrete.enumeration(fam, loss_fn, params, block.loc).grad.probs, exact, rtol=1e-4, atol=1e-4)
 
 
 def test_score_function_blr_reaches_the_exact_posterior_within_monte_carlo_error():
@@ -229,6 +234,58 @@ def test_score_function_blr_reaches_the_exact_posterior_within_monte_carlo_error
     assert np.all(np.abs(lam - lam_star) < 4.5 * sd + init_term)
     # the probabilities are close to the posterior ones in absolute terms too
     assert np.max(np.abs(jax.nn.sigmoid(lam) - jax.nn.sigmoid(lam_star))) < 0.1
+
+
+@pytest.mark.parametrize("model", [mixed_model, categorical_model], ids=["bernoulli_among_others", "categorical"])
+def test_enumerated_losses_equal_substituting_the_value(model):
+    """nb.BLR sets element j of a discrete site to k through the parameters (certain logits), with no
+    state outside them. The loss so evaluated must equal the loss with k substituted into the model
+    and the guide, minus log q_j(k) under the guide's own logits (float64, to 1e-12); the guide's draws
+    of the other elements and of the other sites must be unchanged, and element j must be k."""
+    with jax.enable_x64(True):
+        x = jnp.array([1.0, 2.0, 9.0, 1.0, 11.0, 0.0]) if model is mixed_model else X_OBS[:5].astype(jnp.float64)
+        guide = ExpFamilyGuide(model)
+        svi = SVI(model, guide, nb.BLR(guide=guide), Trace_ELBO())
+        with pytest.warns(UserWarning, match="discrete"):
+            raw = svi.get_params(svi.init(jax.random.PRNGKey(0), x))
+        params = {k: v + 0.3 * jnp.linspace(-1.0, 1.0, v.size).reshape(v.shape) for k, v in raw.items()}  # q != uniform
+        (block,) = [b for b in nb.layout.read_layout(params, "blr").blocks if b.kind == "expfam" and FAMILIES[b.family].discrete]
+        fam, site = FAMILIES[block.family].family, block.loc.split("_blr_")[0]
+        key = jax.random.PRNGKey(3)
+
+        def draws(p):  # the guide's draws under the fixed key
+            tr = handlers.trace(handlers.seed(handlers.substitute(guide, data=p), key)).get_trace(x)
+            return {n: s["value"] for n, s in tr.items() if s["type"] == "sample"}
+
+        def loss_fn(p):  # -ELBO at the guide's draws: what SVI's loss is at a fixed key
+            z = draws(p)
+            return -(log_density(model, (x,), {}, z)[0] - log_density(guide, (x,), {}, {**p, **z})[0]), None
+
+        ell = discrete.enumerated_losses(fam, loss_fn, params, block.loc)
+        n, k = ell.shape
+        z0 = draws(params)
+        logq = jax.nn.log_softmax(params[block.loc], -1) if fam is not discrete.Bernoulli else jnp.stack(
+            [jax.nn.log_sigmoid(-params[block.loc]), jax.nn.log_sigmoid(params[block.loc])], -1)
+
+        def reference(j, v):
+            z = dict(z0, **{site: z0[site].at[j].set(v)})
+            loss = -(log_density(model, (x,), {}, z)[0] - log_density(guide, (x,), {}, {**params, **z})[0])
+            return loss - logq[j, v]
+
+        j, v = jnp.repeat(jnp.arange(n), k), jnp.tile(jnp.arange(k), n)
+        np.testing.assert_allclose(ell, jax.vmap(reference)(j, v).reshape(n, k), rtol=1e-12)
+
+        def forced_draws(j, v):
+            rows = params[block.loc].reshape(n, -1) if fam is not discrete.Bernoulli else params[block.loc]
+            forced = rows.at[j].set(discrete.certain_logits(fam, v, k)).reshape(params[block.loc].shape)
+            return draws({**params, block.loc: forced})
+
+        got = jax.vmap(forced_draws)(j, v)
+        for name, value in z0.items():
+            expected = jnp.broadcast_to(value, (n * k,) + value.shape)
+            if name == site:
+                expected = jax.vmap(lambda e, j, v: e.at[j].set(v))(expected, j, v)
+            np.testing.assert_array_equal(got[name], expected)
 
 
 # ---------------------------------------------------------------- bad input

@@ -19,6 +19,13 @@ Modules:
                             means (``delta``); ``grad`` a ``MixtureGrad(means, logits)``
 :mod:`.relaxation`          :math:`\pm1` Bernoulli weights: Gumbel-softmax / Concrete
                             relaxation (BayesBiNN); ``grad`` a pytree like the weights
+:mod:`.implicit`            Gamma / Beta / Dirichlet sites: the implicit-reparameterisation
+                            gradient mapped to :math:`\nabla_\mu` by :math:`J^{-\top}`
+:mod:`.discrete`            Bernoulli / Categorical sites: enumeration (local expectation
+                            gradients), score function with a leave-one-out baseline
+:mod:`.weights`             diagonal Gaussian over a network's weights: Price with weight noise
+                            (IVON), per-example Gauss-Newton (VOGN, OGN), squared gradient
+                            (Adam, RMSprop), gradient (SGD), sharpness-aware (bSAM)
 ==========================  ================================================================
 """
 

@@ -18,6 +18,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpyro.distributions as dist
 
 
 class BernoulliNatural(NamedTuple):
@@ -57,6 +58,21 @@ class Bernoulli:
     def expectation(natural):
         r""":math:`\mu = \sigma(\lambda)`."""
         return BernoulliExpectation(jax.nn.sigmoid(natural.logits))
+
+    @staticmethod
+    def sufficient_statistics(x):
+        """:math:`T(x) = x`, in the layout of the expectation parameter."""
+        return BernoulliExpectation(x)
+
+    @staticmethod
+    def to_numpyro(logits):
+        """The NumPyro distribution (elementwise, batch shape of the logits)."""
+        return dist.Bernoulli(logits=logits)
+
+    @staticmethod
+    def from_numpyro(d):
+        """The logits of a NumPyro ``Bernoulli`` (``BernoulliProbs`` or ``BernoulliLogits``)."""
+        return d.logits
 
     @staticmethod
     def from_expectation(expectation):
@@ -106,8 +122,7 @@ class Bernoulli:
         space is all of :math:`\mathbb R`, so ``improved`` changes nothing (kept for a uniform signature).
         """
         del improved
-        g = Bernoulli.natural_gradient(natural, grad_mu)
-        return BernoulliNatural(natural.logits - lr * g.logits)
+        return BernoulliNatural((1.0 - lr) * natural.logits - lr * grad_mu.probs)
 
     @staticmethod
     def is_valid(natural):

@@ -22,6 +22,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpyro.distributions as dist
 from jax.scipy.special import digamma, gammaln
 
 from numpyro_blr.families.dirichlet import dirichlet_from_mean_log
@@ -63,6 +64,21 @@ class Beta:
         a, b = Beta.from_natural(natural)
         s = digamma(a + b)
         return BetaExpectation(digamma(a) - s, digamma(b) - s)
+
+    @staticmethod
+    def sufficient_statistics(x):
+        r""":math:`T(x) = (\log x,\ \log(1 - x))`, in the layout of the expectation parameters."""
+        return BetaExpectation(jnp.log(x), jnp.log1p(-x))
+
+    @staticmethod
+    def to_numpyro(concentration1, concentration0):
+        """The NumPyro distribution (elementwise, batch shape of the parameters)."""
+        return dist.Beta(concentration1, concentration0)
+
+    @staticmethod
+    def from_numpyro(d):
+        """``(concentration1, concentration0)`` of a NumPyro ``Beta``."""
+        return d.concentration1, d.concentration0
 
     @staticmethod
     def from_expectation(expectation):
@@ -113,13 +129,13 @@ class Beta:
         ``grad_mu`` holds :math:`\nabla_\mu \mathbb E_q[\ell]` (a :class:`BetaExpectation`).
         ``improved=False`` is the plain BLR, exact at ``lr = 1`` for conjugate terms.
         """
+        if not improved:  # (1 - lr) lam - lr grad_mu: exactly -grad_mu at lr = 1
+            return BetaNatural(*[(1.0 - lr) * lam - lr * g for lam, g in zip(natural, grad_mu)])
         g = Beta.natural_gradient(natural, grad_mu)
         a, b = Beta.from_natural(natural)
         d_a, d_b = -g.eta1, -g.eta2
-        a_new, b_new = a + lr * d_a, b + lr * d_b
-        if improved:
-            a_new = a_new + 0.5 * (lr * d_a) ** 2 / a
-            b_new = b_new + 0.5 * (lr * d_b) ** 2 / b
+        a_new = a + lr * d_a + 0.5 * (lr * d_a) ** 2 / a
+        b_new = b + lr * d_b + 0.5 * (lr * d_b) ** 2 / b
         return Beta.to_natural(a_new, b_new)
 
     @staticmethod

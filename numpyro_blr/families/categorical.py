@@ -18,6 +18,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpyro.distributions as dist
 
 
 class CategoricalNatural(NamedTuple):
@@ -68,6 +69,21 @@ class Categorical:
         return CategoricalExpectation(Categorical.probs(natural)[..., :-1])
 
     @staticmethod
+    def sufficient_statistics(x, num_categories):
+        r""":math:`T(x) = \text{one-hot}(x)_{:K-1}` of integer ``x``, in the layout of the expectation parameter."""
+        return CategoricalExpectation(jax.nn.one_hot(x, num_categories)[..., :-1])
+
+    @staticmethod
+    def to_numpyro(logits):
+        """The NumPyro distribution over the last axis of ``logits``."""
+        return dist.Categorical(logits=logits)
+
+    @staticmethod
+    def from_numpyro(d):
+        """The ``K`` logits of a NumPyro ``Categorical`` (``CategoricalProbs`` or ``CategoricalLogits``)."""
+        return d.logits
+
+    @staticmethod
     def from_expectation(expectation):
         r""":math:`\lambda_k = \log\mu_k - \log(1 - \sum_j\mu_j)`."""
         p = expectation.probs
@@ -114,8 +130,7 @@ class Categorical:
     def blr_update(natural, grad_mu, lr, improved=True):
         r"""One BLR step on the (unconstrained) natural parameters; ``improved`` changes nothing."""
         del improved
-        g = Categorical.natural_gradient(natural, grad_mu)
-        return CategoricalNatural(natural.eta - lr * g.eta)
+        return CategoricalNatural((1.0 - lr) * natural.eta - lr * grad_mu.probs)
 
     @staticmethod
     def is_valid(natural):

@@ -35,6 +35,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpyro.distributions as dist
 from jax.scipy.special import digamma, gammaln, polygamma
 
 
@@ -121,6 +122,21 @@ class Dirichlet:
         return DirichletExpectation(digamma(alpha) - digamma(jnp.sum(alpha, -1, keepdims=True)))
 
     @staticmethod
+    def sufficient_statistics(x):
+        r""":math:`T(x) = \log x`, in the layout of the expectation parameter."""
+        return DirichletExpectation(jnp.log(x))
+
+    @staticmethod
+    def to_numpyro(concentration):
+        """The NumPyro distribution (event shape ``K``, batch shape the leading axes)."""
+        return dist.Dirichlet(concentration)
+
+    @staticmethod
+    def from_numpyro(d):
+        """The concentration of a NumPyro ``Dirichlet``."""
+        return d.concentration
+
+    @staticmethod
     def from_expectation(expectation):
         """Inverse of :meth:`expectation` (:func:`dirichlet_from_mean_log`)."""
         return Dirichlet.to_natural(dirichlet_from_mean_log(expectation.mu))
@@ -170,12 +186,11 @@ class Dirichlet:
         (exact at ``lr = 1`` for conjugate terms). ``improved=True``:
         :math:`\alpha \leftarrow \alpha + \rho d + \rho^2 d^2/(2\alpha)`, positive for any gradient.
         """
+        if not improved:  # (1 - lr) lam - lr grad_mu: exactly -grad_mu at lr = 1
+            return DirichletNatural((1.0 - lr) * natural.eta - lr * grad_mu.mu)
         d = -Dirichlet.natural_gradient(natural, grad_mu).eta
         alpha = Dirichlet.from_natural(natural)
-        new = alpha + lr * d
-        if improved:
-            new = new + 0.5 * (lr * d) ** 2 / alpha
-        return Dirichlet.to_natural(new)
+        return Dirichlet.to_natural(alpha + lr * d + 0.5 * (lr * d) ** 2 / alpha)
 
     @staticmethod
     def is_valid(natural):

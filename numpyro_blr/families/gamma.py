@@ -35,6 +35,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpyro.distributions as dist
 from jax.scipy.special import digamma, gammaln, polygamma
 
 
@@ -108,6 +109,23 @@ class Gamma:
         return GammaExpectation(digamma(a) - jnp.log(b), a / b)
 
     @staticmethod
+    def sufficient_statistics(x):
+        r""":math:`T(x) = (\log x,\ x)`, in the layout of the expectation parameters."""
+        return GammaExpectation(jnp.log(x), x)
+
+    @staticmethod
+    def to_numpyro(concentration, rate):
+        """The NumPyro distribution (elementwise, batch shape of the parameters)."""
+        return dist.Gamma(concentration, rate)
+
+    @staticmethod
+    def from_numpyro(d):
+        """``(concentration, rate)`` of a NumPyro ``Gamma`` or ``Exponential`` (shape 1)."""
+        if isinstance(d, dist.Exponential):
+            return jnp.ones_like(d.rate), d.rate
+        return d.concentration, d.rate
+
+    @staticmethod
     def from_expectation(expectation):
         r"""Inverse of :meth:`expectation`: solve :math:`\log a - \psi(a) = \log\mu_2 - \mu_1` (Newton), then :math:`b = a/\mu_2`."""
         s = jnp.log(expectation.mu2) - expectation.mu1
@@ -157,9 +175,8 @@ class Gamma:
         taken in :math:`\eta = (a, b/a)` with the retraction in the module docstring (Lin, Schmidt &
         Khan 2020), so shape and rate stay positive for any ``grad_mu`` and any ``lr > 0``, without clipping.
         """
-        if not improved:
-            g = Gamma.natural_gradient(natural, grad_mu)
-            return GammaNatural(natural.eta1 - lr * g.eta1, natural.eta2 - lr * g.eta2)
+        if not improved:  # (1 - lr) lam - lr grad_mu: exactly -grad_mu at lr = 1
+            return GammaNatural(*[(1.0 - lr) * lam - lr * g for lam, g in zip(natural, grad_mu)])
         a, b = Gamma.from_natural(natural)
         r = b / a
         u = Gamma.natural_gradient(natural, grad_mu)

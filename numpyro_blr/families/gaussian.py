@@ -21,6 +21,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpyro.distributions as dist
 from jax.scipy.linalg import solve_triangular
 
 _LOG_2PI = math.log(2 * math.pi)  # a Python float: follows the dtype of the inputs
@@ -112,9 +113,29 @@ class DiagonalGaussian:
 class FullGaussian:
     r"""Gaussian :math:`\mathcal{N}(m, S^{-1})` over a vector, with a dense precision matrix :math:`S`."""
 
+    Natural = GaussianNatural
+    Expectation = GaussianExpectation
+
     @staticmethod
     def to_natural(mean, precision):
         return GaussianNatural(precision @ mean, -0.5 * precision)
+
+    @staticmethod
+    def sufficient_statistics(x):
+        r""":math:`T(x) = (x,\ x x^\top)`, in the layout of the expectation parameters."""
+        return GaussianExpectation(x, jnp.outer(x, x))
+
+    @staticmethod
+    def to_numpyro(mean, precision):
+        return dist.MultivariateNormal(mean, precision_matrix=precision)
+
+    @staticmethod
+    def from_numpyro(d):
+        """``(mean, precision)`` of a NumPyro ``MultivariateNormal``, or of a ``Normal`` over a vector
+        (a diagonal precision)."""
+        if isinstance(d, dist.Normal):
+            return d.loc, jnp.diag(1.0 / d.scale**2)
+        return d.loc, d.precision_matrix
 
     @staticmethod
     def from_natural(natural):
@@ -157,3 +178,36 @@ class FullGaussian:
         diff = x - mean
         quad = jnp.einsum("...i,ij,...j->...", diff, precision, diff)
         return 0.5 * (jnp.linalg.slogdet(precision)[1] - d * _LOG_2PI - quad)
+
+    @staticmethod
+    def natural_gradient(natural, grad_mu):
+        r""":math:`\nabla_\mu\mathcal L = \lambda + \nabla_\mu\mathbb E_q[\ell]` (Khan & Rue 2023)."""
+        return GaussianNatural(natural.eta1 + grad_mu.mu1, natural.eta2 + grad_mu.mu2)
+
+    @staticmethod
+    def blr_update(natural, grad_mu, lr, improved=True):
+        r"""One BLR step; ``grad_mu`` holds :math:`\nabla_\mu\mathbb E_q[\ell]` (a :class:`GaussianExpectation`).
+
+        ``improved=False``: :math:`\lambda \leftarrow (1-\rho)\lambda - \rho\nabla_\mu\mathbb E_q[\ell]`,
+        exactly :math:`-\nabla_\mu\mathbb E_q[\ell]` at ``lr = 1`` (conjugate updates). Otherwise the
+        precision takes the positivity-preserving step of :mod:`numpyro_blr.rules.blr` (``improved`` is
+        its rule) with :math:`\hat H = 2\nabla_{\mu_2}\mathbb E_q[\ell]` (Price) and the mean
+        :math:`m \leftarrow m - \rho S_{\rm new}^{-1}\hat g`, :math:`\hat g = \nabla_{\mu_1}\mathbb E_q[\ell] + \hat H m`
+        (Bonnet), which is the plain step when the precision step is.
+        """
+        if improved is False or improved == "plain":
+            return GaussianNatural(*[(1.0 - lr) * lam - lr * g for lam, g in zip(natural, grad_mu)])
+        from numpyro_blr.rules.blr import full_precision_update  # rules.blr imports this module
+
+        mean, precision = FullGaussian.from_natural(natural)
+        hess = 2.0 * grad_mu.mu2
+        new_precision = full_precision_update(precision, None, hess, lr, improved)
+        new_mean = mean - lr * jnp.linalg.solve(new_precision, grad_mu.mu1 + hess @ mean)
+        return FullGaussian.to_natural(new_mean, new_precision)
+
+    @staticmethod
+    def is_valid(natural):
+        """``True`` where the precision is positive definite (its Cholesky factor is finite) and
+        the natural parameters are finite."""
+        chol = jnp.linalg.cholesky(-2.0 * natural.eta2)
+        return jnp.all(jnp.isfinite(chol)) & jnp.all(jnp.isfinite(natural.eta1))

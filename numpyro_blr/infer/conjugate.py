@@ -17,8 +17,9 @@ model, and a sweep over the sites with :math:`\rho = 1` each is variational mess
 How this module finds :math:`\hat\eta_i` from the model alone (no table of conjugate pairs):
 
 1. The model is traced; every latent site gets the exponential family of its prior
-   (Normal/MultivariateNormal -> Gaussian with a dense precision over the site's flattened value,
-   Gamma/Exponential -> Gamma, Beta, Dirichlet, Bernoulli, Categorical), and every sample site
+   (:func:`numpyro_blr.families.registry.for_prior`: Normal/MultivariateNormal -> Gaussian with a
+   dense precision over the site's flattened value, Gamma/Exponential -> Gamma, Beta, Dirichlet,
+   Bernoulli, Categorical), and every sample site
    (prior or likelihood, :func:`numpyro.factor` included) is a *factor*
    :math:`\phi(z) = \log p_{\text{site}}(\cdot)`. Which latent sites a factor depends on is found by
    moving each site and seeing whether the factor changes.
@@ -34,7 +35,8 @@ How this module finds :math:`\hat\eta_i` from the model alone (no table of conju
    its sites; a mismatch raises :class:`NonConjugateError` naming the site and its family.
 4. :math:`\hat\eta_i = \nabla_{\mu_i} \sum_\phi \mathbb E_q[\phi]` by autodiff through the (affine)
    weights: the gradient of the log joint with respect to the sufficient statistics, evaluated by
-   substituting values into the model.
+   substituting values into the model. The step is the family's plain ``blr_update`` with
+   :math:`\nabla_\mu\mathbb E_q[\ell] = -\hat\eta_i`, which is :math:`\hat\eta_i` exactly at ``lr = 1``.
 5. The ELBO :math:`\sum_\phi \mathbb E_q[\phi] + \sum_i \mathcal H(q_i)` is exact (no sampling);
    after the exact one-step update of a conjugate model it equals the log evidence.
 
@@ -47,7 +49,6 @@ Winn & Bishop (2005), "Variational message passing", JMLR; Lin, Schmidt & Khan (
 positivity-preserving BLR steps of the families (:mod:`numpyro_blr.families`).
 """
 
-import math
 from dataclasses import dataclass, field
 from typing import Any, Dict, List
 
@@ -57,12 +58,8 @@ import numpy as np
 import numpyro.distributions as dist
 from numpyro import handlers
 
-from numpyro_blr.families.bernoulli import Bernoulli, BernoulliNatural
-from numpyro_blr.families.beta import Beta
-from numpyro_blr.families.categorical import Categorical, CategoricalNatural
-from numpyro_blr.families.dirichlet import Dirichlet
-from numpyro_blr.families.gamma import Gamma
-from numpyro_blr.families.gaussian import FullGaussian
+from numpyro_blr.families import Categorical, FullGaussian
+from numpyro_blr.families.registry import for_prior, prior_names
 
 __all__ = ["ConjugateResult", "NonConjugateError", "conjugate_fit"]
 
@@ -72,9 +69,11 @@ class NonConjugateError(ValueError):
 
 
 # ----------------------------------------------------------------------------------------------
-# Per-site adapters: flat sufficient statistics, anchors, and the map to the family classes.
-# Every adapter works with a flat natural vector ``theta`` such that log q(z) = theta . T(z) - A,
-# with base measure 1, and T in the layout of ``stats``.
+# Per-site adapters. The family (the registry's row for the prior's NumPyro class) does every
+# conversion: statistics, expectations, entropy, natural <-> user parameters, the distribution, the
+# BLR step. An adapter flattens its NamedTuples into the vectors the engine works with (``theta``
+# natural, ``stats`` and ``mean_stats`` in the layout of the expectations, so that
+# log q(z) = theta . stats(z) - A with base measure 1) and places the anchors of the interpolation.
 # ----------------------------------------------------------------------------------------------
 
 
@@ -86,36 +85,107 @@ def _unwrap(fn):
 
 
 class _Site:
-    family = ""
-    support = ""
-    stats_names = ""
+    extra = ()  # axes of each natural parameter after the site's shape
 
-    def __init__(self, name, shape, dtype):
-        self.name, self.shape, self.dtype = name, tuple(shape), jnp.dtype(dtype)
+    def __init__(self, name, info, shape, dtype, float_dtype, prior):
+        self.name, self.info, self.family = name, info, info.family
+        self.shape, self.dtype, self.float_dtype = tuple(shape), jnp.dtype(dtype), float_dtype
         self.n = int(np.prod(self.shape))
-
-    def local_mean(self, mu, ref):  # affine map of flat expectation params into local coordinates
-        return self.local_stats_from_flat(mu, ref)
+        self.user_shape = self.shape
+        self.fields = len(self.family.Natural._fields)
+        self.dim = self.fields * self.n * int(np.prod(self.extra))
 
     def describe(self):
-        return f"site '{self.name}' ({self.family} family, support {self.support}, statistics {self.stats_names})"
+        i = self.info
+        return f"site '{self.name}' ({i.label} family, support {i.support}, statistics {i.statistics})"
+
+    def natural(self, theta):
+        """The family's natural NamedTuple of a flat vector (also for gradients in that layout)."""
+        size = self.dim // self.fields
+        return self.family.Natural(*[theta[k * size:(k + 1) * size].reshape(self.shape + self.extra) for k in range(self.fields)])
+
+    def pack(self, params):
+        """Flat vector of a natural or expectation NamedTuple."""
+        return jnp.concatenate([jnp.reshape(p, (-1,)) for p in params]).astype(self.float_dtype)
+
+    pack_natural = pack
+
+    def stats(self, z):
+        return self.pack(self.family.sufficient_statistics(z))
+
+    def mean_stats(self, theta):
+        return self.pack(self.family.expectation(self.natural(theta)))
+
+    def natural_from_dist(self, fn):
+        user = self.family.from_numpyro(_unwrap(fn))
+        user = user if isinstance(user, tuple) else (user,)
+        return self.pack_natural(self.family.to_natural(*[jnp.broadcast_to(u, self.user_shape) for u in user]))
+
+    def update(self, theta, eta_hat, lr):
+        r"""The family's plain BLR step with :math:`\nabla_\mu\mathbb E_q[-\log p] = -\hat\eta` (exact at ``lr = 1``)."""
+        grad_mu = self.family.Expectation(*self.natural(-eta_hat))
+        return self.pack_natural(self.family.blr_update(self.natural(theta), grad_mu, lr, improved=False))
+
+    def ref(self, theta):  # the anchors' centre: q's mean, flat
+        return self.distribution(theta).mean.reshape(-1)
+
+    def noise(self, rng, num):
+        return rng.standard_normal((num, self.n))
+
+    def entropy(self, theta):
+        return self.family.entropy(*self.info.user(self.natural(theta)))
+
+    def is_valid(self, theta):
+        return jnp.all(self.family.is_valid(self.natural(theta)))
+
+    def distribution(self, theta):
+        d = self.family.to_numpyro(*self.info.user(self.natural(theta)))
+        return d.to_event(len(self.shape) - self.info.event_dim)
 
 
 class _GaussianSite(_Site):
-    family, support, stats_names = "Gaussian", "real", "(z, z z^T)"
+    """A dense-precision Gaussian over the flattened site; the statistics are ``z`` and the upper
+    triangle of ``z z^T``, so each off-diagonal natural parameter appears twice in ``theta``."""
 
-    def __init__(self, name, shape, dtype):
-        super().__init__(name, shape, dtype)
-        n = self.n
-        self.iu = np.triu_indices(n)
-        self.dim = n + len(self.iu[0])
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.iu = np.triu_indices(self.n)
+        self.twice = np.where(self.iu[0] == self.iu[1], 1.0, 2.0)
+        self.dim = self.n + len(self.iu[0])
 
-    def _quad(self, u):
-        return (u[:, None] * u[None, :])[self.iu]
+    def natural(self, theta):
+        n, (i, j) = self.n, self.iu
+        half = theta[n:] / self.twice
+        return FullGaussian.Natural(theta[:n], jnp.zeros((n, n), theta.dtype).at[i, j].set(half).at[j, i].set(half))
+
+    def pack(self, params):
+        return jnp.concatenate([jnp.reshape(params[0], (-1,)), params[1][self.iu]])
+
+    def pack_natural(self, params):
+        return jnp.concatenate([params[0], self.twice * params[1][self.iu]])
 
     def stats(self, z):
-        z = jnp.reshape(z, (-1,))
-        return jnp.concatenate([z, self._quad(z)])
+        return self.pack(FullGaussian.sufficient_statistics(jnp.reshape(z, (-1,))))
+
+    def natural_from_dist(self, fn):
+        base = _unwrap(fn)
+        if isinstance(base, dist.Normal):  # over the flattened site
+            base = dist.Normal(*[jnp.broadcast_to(p, self.shape).reshape(-1) for p in (base.loc, base.scale)])
+        mean, precision = FullGaussian.from_numpyro(base)
+        return self.pack_natural(FullGaussian.to_natural(jnp.broadcast_to(mean, (self.n,)), precision))
+
+    def ref(self, theta):
+        mean, precision = FullGaussian.from_natural(self.natural(theta))
+        return mean, jnp.sqrt(jnp.diag(jnp.linalg.inv(precision)))
+
+    def entropy(self, theta):
+        return FullGaussian.entropy(FullGaussian.from_natural(self.natural(theta))[1])
+
+    def distribution(self, theta):
+        mean, precision = FullGaussian.from_natural(self.natural(theta))
+        if self.shape == ():
+            return dist.Normal(mean[0], 1.0 / jnp.sqrt(precision[0, 0]))
+        return FullGaussian.to_numpyro(mean, precision)
 
     def local_stats_from_flat(self, t, ref):
         c, s = ref
@@ -134,97 +204,12 @@ class _GaussianSite(_Site):
         u = jnp.asarray(np.stack(us), self.dtype)
         return jnp.reshape(c + s * u, (-1,) + self.shape)
 
-    def noise(self, rng, num):
-        return rng.standard_normal((num, self.n))
-
     def test_points(self, noise, ref):
         c, s = ref
         return jnp.reshape(c + s * noise, (noise.shape[0],) + self.shape)
 
-    def alternative(self, z, ref):
-        c, s = ref
-        return jnp.reshape(jnp.reshape(z, (-1,)) + 0.7 * s, self.shape)
 
-    def _mean_precision(self, theta):
-        # memoised per traced array: ref, mean_stats, entropy, ... of the same theta share one solve
-        memo = self.__dict__.setdefault("_memo", {})
-        hit = memo.get(id(theta))
-        if hit is not None and hit[0] is theta:
-            return hit[1]
-        out = self._mean_precision_uncached(theta)
-        memo[id(theta)] = (theta, out)
-        return out
-
-    def _mean_precision_uncached(self, theta):
-        n = self.n
-        i, j = self.iu
-        t2 = theta[n:]
-        prec = jnp.zeros((n, n), theta.dtype).at[i, j].set(-t2).at[j, i].set(-t2)
-        prec = prec.at[np.arange(n), np.arange(n)].set(-2.0 * t2[i == j])
-        chol = jnp.linalg.cholesky(prec)
-        cov = jax.scipy.linalg.cho_solve((chol, True), jnp.eye(n, dtype=prec.dtype))
-        return cov @ theta[:n], prec, cov, chol
-
-    def natural_from_dist(self, fn):
-        base = _unwrap(fn)
-        if isinstance(base, dist.MultivariateNormal) and base.event_shape == self.shape[-1:] and len(self.shape) == 1:
-            mean, prec = base.loc * jnp.ones(self.shape), base.precision_matrix
-        else:
-            loc = jnp.broadcast_to(base.loc, self.shape).reshape(-1)
-            scale = jnp.broadcast_to(base.scale, self.shape).reshape(-1)
-            mean, prec = loc, jnp.diag(1.0 / scale**2)
-        return self.flat_natural(mean, prec)
-
-    def flat_natural(self, mean, prec):
-        i, j = self.iu
-        t2 = jnp.where(i == j, -0.5 * prec[i, j], -prec[i, j])
-        return jnp.concatenate([prec @ mean, t2])
-
-    def mean_stats(self, theta):
-        mean, prec, cov, _ = self._mean_precision(theta)
-        return jnp.concatenate([mean, (cov + jnp.outer(mean, mean))[self.iu]])
-
-    def ref(self, theta):
-        mean, prec, cov, _ = self._mean_precision(theta)
-        return mean, jnp.sqrt(jnp.diag(cov))
-
-    def entropy(self, theta):
-        chol = self._mean_precision(theta)[3]
-        return 0.5 * self.n * (math.log(2 * math.pi) + 1.0) - jnp.sum(jnp.log(jnp.diag(chol)))
-
-    def is_valid(self, theta):
-        mean, prec, cov, chol = self._mean_precision(theta)
-        return jnp.all(jnp.isfinite(chol)) & jnp.all(jnp.isfinite(mean))
-
-    def family_natural(self, theta):
-        mean, prec = self._mean_precision(theta)[:2]
-        return FullGaussian.to_natural(mean, prec)
-
-    def distribution(self, theta):
-        mean, prec = self._mean_precision(theta)[:2]
-        if self.shape == ():
-            return dist.Normal(mean[0], 1.0 / jnp.sqrt(prec[0, 0]))
-        return dist.MultivariateNormal(mean, precision_matrix=prec)
-
-
-class _ElementwiseSite(_Site):
-    """Families with ``p`` statistics per element, stacked as ``(p, n)`` then flattened."""
-
-    def _split(self, theta):
-        return [theta[k * self.n:(k + 1) * self.n].reshape(self.shape) for k in range(self.dim // self.n)]
-
-
-class _GammaSite(_ElementwiseSite):
-    family, support, stats_names = "Gamma", "positive", "(log z, z)"
-
-    def __init__(self, name, shape, dtype):
-        super().__init__(name, shape, dtype)
-        self.dim = 2 * self.n
-
-    def stats(self, z):
-        z = jnp.reshape(z, (-1,))
-        return jnp.concatenate([jnp.log(z), z])
-
+class _GammaSite(_Site):
     def local_stats_from_flat(self, t, ref):
         c = ref
         return jnp.concatenate([t[: self.n] - jnp.log(c), t[self.n:] / c])
@@ -236,57 +221,11 @@ class _GammaSite(_ElementwiseSite):
             v[1 + 2 * k, k], v[2 + 2 * k, k] = 2.0, 0.5
         return jnp.reshape(ref * jnp.asarray(v, self.dtype), (-1,) + self.shape)
 
-    def noise(self, rng, num):
-        return rng.standard_normal((num, self.n))
-
     def test_points(self, noise, ref):
         return jnp.reshape(ref * jnp.exp(0.5 * noise), (noise.shape[0],) + self.shape)
 
-    def alternative(self, z, ref):
-        return z * 1.7
 
-    def natural_from_dist(self, fn):
-        base = _unwrap(fn)
-        if isinstance(base, dist.Exponential):
-            a, b = jnp.ones(self.shape, self.dtype), jnp.broadcast_to(base.rate, self.shape)
-        else:
-            a, b = jnp.broadcast_to(base.concentration, self.shape), jnp.broadcast_to(base.rate, self.shape)
-        nat = Gamma.to_natural(a, b)
-        return jnp.concatenate([nat.eta1.reshape(-1), nat.eta2.reshape(-1)])
-
-    def family_natural(self, theta):
-        return Gamma.Natural(*self._split(theta))
-
-    def mean_stats(self, theta):
-        mu = Gamma.expectation(self.family_natural(theta))
-        return jnp.concatenate([mu.mu1.reshape(-1), mu.mu2.reshape(-1)])
-
-    def ref(self, theta):
-        a, b = Gamma.from_natural(self.family_natural(theta))
-        return (a / b).reshape(-1)
-
-    def entropy(self, theta):
-        return Gamma.entropy(*Gamma.from_natural(self.family_natural(theta)))
-
-    def is_valid(self, theta):
-        return jnp.all(Gamma.is_valid(self.family_natural(theta)))
-
-    def distribution(self, theta):
-        a, b = Gamma.from_natural(self.family_natural(theta))
-        return dist.Gamma(a, b).to_event(len(self.shape))
-
-
-class _BetaSite(_ElementwiseSite):
-    family, support, stats_names = "Beta", "unit_interval", "(log z, log(1 - z))"
-
-    def __init__(self, name, shape, dtype):
-        super().__init__(name, shape, dtype)
-        self.dim = 2 * self.n
-
-    def stats(self, z):
-        z = jnp.reshape(z, (-1,))
-        return jnp.concatenate([jnp.log(z), jnp.log1p(-z)])
-
+class _BetaSite(_Site):
     def local_stats_from_flat(self, t, ref):
         c = ref
         return jnp.concatenate([t[: self.n] - jnp.log(c), t[self.n:] - jnp.log1p(-c)])
@@ -299,64 +238,23 @@ class _BetaSite(_ElementwiseSite):
         logit = jnp.log(ref) - jnp.log1p(-ref)
         return jnp.reshape(jax.nn.sigmoid(logit + jnp.asarray(shift, self.dtype)), (-1,) + self.shape)
 
-    def noise(self, rng, num):
-        return rng.standard_normal((num, self.n))
-
     def test_points(self, noise, ref):
         logit = jnp.log(ref) - jnp.log1p(-ref)
         return jnp.reshape(jax.nn.sigmoid(logit + noise), (noise.shape[0],) + self.shape)
 
-    def alternative(self, z, ref):
-        return jax.nn.sigmoid(jnp.log(z) - jnp.log1p(-z) + 0.7)
-
-    def natural_from_dist(self, fn):
-        base = _unwrap(fn)
-        nat = Beta.to_natural(jnp.broadcast_to(base.concentration1, self.shape), jnp.broadcast_to(base.concentration0, self.shape))
-        return jnp.concatenate([nat.eta1.reshape(-1), nat.eta2.reshape(-1)])
-
-    def family_natural(self, theta):
-        return Beta.Natural(*self._split(theta))
-
-    def mean_stats(self, theta):
-        mu = Beta.expectation(self.family_natural(theta))
-        return jnp.concatenate([mu.mu1.reshape(-1), mu.mu2.reshape(-1)])
-
-    def ref(self, theta):
-        a, b = Beta.from_natural(self.family_natural(theta))
-        return (a / (a + b)).reshape(-1)
-
-    def entropy(self, theta):
-        return Beta.entropy(*Beta.from_natural(self.family_natural(theta)))
-
-    def is_valid(self, theta):
-        return jnp.all(Beta.is_valid(self.family_natural(theta)))
-
-    def distribution(self, theta):
-        a, b = Beta.from_natural(self.family_natural(theta))
-        return dist.Beta(a, b).to_event(len(self.shape))
-
 
 class _DirichletSite(_Site):
-    family, support, stats_names = "Dirichlet", "simplex", "log z"
-
-    def __init__(self, name, shape, dtype):
-        super().__init__(name, shape, dtype)
-        self.dim = self.n
-        self.k = self.shape[-1]
-
-    def stats(self, z):
-        return jnp.log(jnp.reshape(z, (-1,)))
-
     def local_stats_from_flat(self, t, ref):
-        return t - jnp.log(ref).reshape(-1)
+        return t - jnp.log(ref)
 
     def anchors(self, ref):
         # ref: mean, shape = site shape; anchor (b, k): halve component k of row b and renormalise
-        c = ref.reshape(-1, self.k)
+        k = self.shape[-1]
+        c = ref.reshape(-1, k)
         out = [c]
         for b in range(c.shape[0]):
-            for k in range(self.k):
-                row = c[b].at[k].multiply(0.5)
+            for j in range(k):
+                row = c[b].at[j].multiply(0.5)
                 out.append(c.at[b].set(row / jnp.sum(row)))
         return jnp.stack(out).reshape((-1,) + self.shape)
 
@@ -364,47 +262,11 @@ class _DirichletSite(_Site):
         return rng.standard_normal((num,) + self.shape)
 
     def test_points(self, noise, ref):
-        z = ref * jnp.exp(0.5 * noise)
+        z = ref.reshape(self.shape) * jnp.exp(0.5 * noise)
         return z / jnp.sum(z, -1, keepdims=True)
-
-    def alternative(self, z, ref):
-        z = z * jnp.exp(0.7 * jnp.linspace(-1.0, 1.0, self.k, dtype=self.dtype))
-        return z / jnp.sum(z, -1, keepdims=True)
-
-    def natural_from_dist(self, fn):
-        base = _unwrap(fn)
-        return Dirichlet.to_natural(jnp.broadcast_to(base.concentration, self.shape)).eta.reshape(-1)
-
-    def family_natural(self, theta):
-        return Dirichlet.Natural(theta.reshape(self.shape))
-
-    def mean_stats(self, theta):
-        return Dirichlet.expectation(self.family_natural(theta)).mu.reshape(-1)
-
-    def ref(self, theta):
-        alpha = Dirichlet.from_natural(self.family_natural(theta))
-        return alpha / jnp.sum(alpha, -1, keepdims=True)
-
-    def entropy(self, theta):
-        return Dirichlet.entropy(Dirichlet.from_natural(self.family_natural(theta)))
-
-    def is_valid(self, theta):
-        return jnp.all(Dirichlet.is_valid(self.family_natural(theta)))
-
-    def distribution(self, theta):
-        return dist.Dirichlet(Dirichlet.from_natural(self.family_natural(theta))).to_event(len(self.shape) - 1)
 
 
 class _BernoulliSite(_Site):
-    family, support, stats_names = "Bernoulli", "boolean", "z"
-
-    def __init__(self, name, shape, dtype):
-        super().__init__(name, shape, dtype)
-        self.dim = self.n
-
-    def stats(self, z):
-        return jnp.reshape(z, (-1,)).astype(self.float_dtype)
-
     def local_stats_from_flat(self, t, ref):
         return t
 
@@ -418,42 +280,16 @@ class _BernoulliSite(_Site):
     def test_points(self, noise, ref):
         return jnp.asarray(noise, self.dtype)
 
-    def alternative(self, z, ref):
-        return 1 - z
-
-    def natural_from_dist(self, fn):
-        base = _unwrap(fn)
-        return jnp.broadcast_to(base.logits, self.shape).reshape(-1).astype(self.float_dtype)
-
-    def family_natural(self, theta):
-        return BernoulliNatural(theta.reshape(self.shape))
-
-    def mean_stats(self, theta):
-        return jax.nn.sigmoid(theta)
-
-    def ref(self, theta):
-        return None
-
-    def entropy(self, theta):
-        return Bernoulli.entropy(theta)
-
-    def is_valid(self, theta):
-        return jnp.all(jnp.isfinite(theta))
-
-    def distribution(self, theta):
-        return dist.Bernoulli(logits=theta.reshape(self.shape)).to_event(len(self.shape))
-
 
 class _CategoricalSite(_Site):
-    family, support, stats_names = "Categorical", "integer_interval", "one-hot(z)[:K-1]"
-
-    def __init__(self, name, shape, dtype, num_categories):
-        super().__init__(name, shape, dtype)
-        self.k = num_categories
-        self.dim = self.n * (self.k - 1)
+    def __init__(self, name, info, shape, dtype, float_dtype, prior):
+        self.k = prior.logits.shape[-1]
+        self.extra = (self.k - 1,)
+        super().__init__(name, info, shape, dtype, float_dtype, prior)
+        self.user_shape = self.shape + (self.k,)
 
     def stats(self, z):
-        return jax.nn.one_hot(jnp.reshape(z, (-1,)), self.k, dtype=self.float_dtype)[:, :-1].reshape(-1)
+        return self.pack(Categorical.sufficient_statistics(z, self.k))
 
     def local_stats_from_flat(self, t, ref):
         return t
@@ -474,61 +310,22 @@ class _CategoricalSite(_Site):
     def test_points(self, noise, ref):
         return jnp.asarray(noise, self.dtype)
 
-    def alternative(self, z, ref):
-        return (z + 1) % self.k
 
-    def natural_from_dist(self, fn):
-        base = _unwrap(fn)
-        logits = jnp.broadcast_to(base.logits, self.shape + (self.k,)).astype(self.float_dtype)
-        return Categorical.to_natural(logits).eta.reshape(-1)
-
-    def family_natural(self, theta):
-        return CategoricalNatural(theta.reshape(self.shape + (self.k - 1,)))
-
-    def mean_stats(self, theta):
-        return Categorical.expectation(self.family_natural(theta)).probs.reshape(-1)
-
-    def ref(self, theta):
-        return None
-
-    def entropy(self, theta):
-        return Categorical.entropy(Categorical.from_natural(self.family_natural(theta)))
-
-    def is_valid(self, theta):
-        return jnp.all(jnp.isfinite(theta))
-
-    def distribution(self, theta):
-        return dist.Categorical(logits=Categorical.from_natural(self.family_natural(theta))).to_event(len(self.shape))
-
-
-_SUPPORTED = "Normal, MultivariateNormal, Gamma, Exponential, Beta, Dirichlet, Bernoulli, Categorical"
+_ADAPTERS = {"multivariate_normal": _GaussianSite, "gamma": _GammaSite, "beta": _BetaSite, "dirichlet": _DirichletSite,
+             "bernoulli": _BernoulliSite, "categorical": _CategoricalSite}
 
 
 def _make_site(name, site, float_dtype):
     fn = site["fn"]
     base = _unwrap(fn)
-    value = site["value"]
-    shape = jnp.shape(value)
-    dtype = jnp.result_type(value)
-    if isinstance(base, (dist.Normal, dist.MultivariateNormal)):
-        s = _GaussianSite(name, shape, float_dtype)
-    elif isinstance(base, (dist.Gamma, dist.Exponential)):
-        s = _GammaSite(name, shape, float_dtype)
-    elif isinstance(base, dist.Beta):
-        s = _BetaSite(name, shape, float_dtype)
-    elif isinstance(base, dist.Dirichlet):
-        s = _DirichletSite(name, shape, float_dtype)
-    elif isinstance(base, (dist.BernoulliProbs, dist.BernoulliLogits)):
-        s = _BernoulliSite(name, shape, dtype)
-    elif isinstance(base, (dist.CategoricalProbs, dist.CategoricalLogits)):
-        s = _CategoricalSite(name, shape, dtype, base.logits.shape[-1] if hasattr(base, "logits") else base.probs.shape[-1])
-    else:
+    info = for_prior(base)
+    if info is None:
         raise NonConjugateError(
             f"site '{name}': prior {type(base).__name__} (support {fn.support}) is not one of the exponential "
-            f"families conjugate_fit knows ({_SUPPORTED}); use nb.BLR with SVI for this model."
+            f"families conjugate_fit knows ({prior_names()}); use nb.BLR with SVI for this model."
         )
-    s.float_dtype = float_dtype
-    return s
+    dtype = jnp.result_type(site["value"]) if info.discrete else float_dtype
+    return _ADAPTERS[info.name](name, info, jnp.shape(site["value"]), dtype, float_dtype, base)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -767,14 +564,14 @@ def conjugate_fit(model, *args, num_steps=1, lr=1.0, seed=0, rtol=None, init=Non
         for n in latent_names:
             fs = [f for f in factor_names if n in deps[f]]
             eta_hat = jax.grad(lambda m, n=n, fs=fs: expected_log_joint(dict(mus, **{n: m}), refs, mats, tables, fs))(mus[n])
-            theta[n] = (1.0 - lr) * theta[n] + lr * eta_hat
+            theta[n] = sites[n].update(theta[n], eta_hat, lr)
             mus[n] = sites[n].mean_stats(theta[n])
         per_factor = {f: expected_log_joint(mus, refs, mats, tables, [f]) for f in factor_names}
         entropies = {n: sites[n].entropy(theta[n]) for n in latent_names}
         elbo = sum(per_factor.values()) + sum(entropies.values())
         valid = {n: sites[n].is_valid(theta[n]) for n in latent_names}
         posterior = {n: sites[n].distribution(theta[n]) for n in latent_names}
-        natural = {n: sites[n].family_natural(theta[n]) for n in latent_names}
+        natural = {n: sites[n].natural(theta[n]) for n in latent_names}
         return theta, elbo, valid, posterior, natural, per_factor, entropies, errs
 
     rng = np.random.default_rng(seed)
@@ -792,14 +589,14 @@ def conjugate_fit(model, *args, num_steps=1, lr=1.0, seed=0, rtol=None, init=Non
                         f"{sites[n].describe()} is not conjugate: the log joint is not linear in its "
                         f"sufficient statistics given the other sites (factor '{f}' breaks it; relative "
                         f"interpolation error {err:.2e}), so its complete conditional is not "
-                        f"{sites[n].family}. conjugate_fit needs every complete conditional in the "
+                        f"{sites[n].info.label}. conjugate_fit needs every complete conditional in the "
                         f"prior's family; use nb.BLR with SVI for this model."
                     )
         for n in latent_names:
             if not bool(np.all(np.asarray(valid[n]))):
                 raise NonConjugateError(
                     f"{sites[n].describe()}: the expected natural parameters of its complete conditional do not "
-                    f"define a proper {sites[n].family} distribution (improper model?)"
+                    f"define a proper {sites[n].info.label} distribution (improper model?)"
                 )
         history.append(float(elbo))
 
