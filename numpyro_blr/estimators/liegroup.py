@@ -32,7 +32,7 @@ from numpyro_blr.rules.liegroup import AffineGrad, MultiplicativeGrad, Rayleigh
 from numpyro_blr.tree import standard_normal, uniform
 
 # q0 whose inverse CDF numpyro computes in closed form: drawn from one batch of uniforms
-_ICDF = (dist.Laplace, dist.Logistic, dist.Cauchy, dist.Uniform, dist.Gumbel, dist.Exponential, Rayleigh)
+_ICDF = (dist.Laplace, dist.Logistic, dist.Cauchy, dist.Uniform, dist.Gumbel)
 
 
 def draw_base(base, key, n, dtype=jnp.float32, rng="hash"):
@@ -49,11 +49,15 @@ def draw_base(base, key, n, dtype=jnp.float32, rng="hash"):
         return jnp.zeros((n,), dtype)
     if isinstance(base, dist.Normal):
         return (base.loc + base.scale * standard_normal(key, n, dtype, rng)).astype(dtype)
+    # -log(u) for u uniform on (0, 1) is Exponential(1): one log (cheaper than the icdf's log1p(-u) on CPU)
+    if isinstance(base, Rayleigh):
+        return (base.scale * jnp.sqrt(-2.0 * jnp.log(uniform(key, n, dtype, rng)))).astype(dtype)
+    if isinstance(base, dist.Weibull):
+        return (base.scale * (-jnp.log(uniform(key, n, dtype, rng))) ** (1.0 / base.concentration)).astype(dtype)
+    if isinstance(base, dist.Exponential):
+        return (-jnp.log(uniform(key, n, dtype, rng)) / base.rate).astype(dtype)
     if isinstance(base, _ICDF):
         return base.icdf(uniform(key, n, dtype, rng)).astype(dtype)
-    if isinstance(base, dist.Weibull):
-        u = uniform(key, n, dtype, rng)
-        return (base.scale * (-jnp.log(u)) ** (1.0 / base.concentration)).astype(dtype)
     return base.sample(key, (n,)).astype(dtype)
 
 
@@ -127,36 +131,31 @@ def multiplicative(base, ess, temperature=1.0, weight_decay=0.0, mc_samples=1, s
     tau = float(temperature) / float(ess)
 
     def draw(key, state):
-        n = state.scale.shape[0]
-        xi = draw_base(base, key, 2 * n if signed else n, state.scale.dtype, noise_rng)
-        if signed:
-            return state.scale * xi[:n] - state.scale_minus * xi[n:], xi
-        return state.scale * xi, xi
+        xi = draw_base(base, key, state.scale.shape[0], state.scale.dtype, noise_rng)
+        d = state.scale * xi  # (g+ xi+, g- xi-) end to end: one pass
+        n = state.layout.size
+        return (d[:n] - d[n:] if signed else d), xi
 
-    def stats(state, g, xi):
-        n = state.scale.shape[0]
-        if signed:
-            return state.scale * xi[:n] * g, -state.scale_minus * xi[n:] * g
-        return (state.scale * xi * g,)
-
-    def algebra(*x):
-        return MultiplicativeGrad(x[0] - tau, x[1] - tau if signed else None)
+    def algebra(state, g, xi):
+        # X = (g+ xi+ G, -g- xi- G) - T/N
+        gg = jnp.concatenate([g, -g]) if signed else g
+        return state.scale * xi * gg - tau
 
     def estimate(key, state, loss_fn, *args):
         def one(k):
             theta, xi = draw(k, state)
             loss, g = _grad_at(loss_fn, state.layout, theta, args, weight_decay)
-            return (loss,) + stats(state, g, xi)
+            return loss, algebra(state, g, xi)
 
-        out = _monte_carlo(one, jax.random.split(key, mc_samples), vmap_samples)
-        return Estimate(out[0], algebra(*out[1:]))
+        loss, x = _monte_carlo(one, jax.random.split(key, mc_samples), vmap_samples)
+        return Estimate(loss, MultiplicativeGrad(x))
 
     def from_grads(state, g, xi):
         if weight_decay:
-            n = state.scale.shape[0]
-            theta = state.scale * xi[:n] - state.scale_minus * xi[n:] if signed else state.scale * xi
-            g = g + weight_decay * theta
-        return Estimate(jnp.nan, algebra(*stats(state, g, xi)))
+            d = state.scale * xi
+            n = state.layout.size
+            g = g + weight_decay * (d[:n] - d[n:] if signed else d)
+        return Estimate(jnp.nan, MultiplicativeGrad(algebra(state, g, xi)))
 
     estimate.draw, estimate.from_grads, estimate.sampled = draw, from_grads, True
     return estimate

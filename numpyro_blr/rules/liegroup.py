@@ -11,8 +11,8 @@ logistic, uniform, :class:`Rayleigh`, ...). Three groups, elementwise over a fla
 group                   :math:`\theta`                                 state
 ======================  ===========================================  ================================
 additive                :math:`w + \xi` (:math:`q_0` fixed)            ``loc`` :math:`w`
-multiplicative          :math:`g\,\xi` (:math:`\xi > 0`), or signed    ``scale`` :math:`g`
-                        :math:`g_+\xi_+ - g_-\xi_-`                     (``scale_minus`` :math:`g_-`)
+multiplicative          :math:`g\,\xi` (:math:`\xi > 0`), or signed    ``scale`` :math:`g`, or
+                        :math:`g_+\xi_+ - g_-\xi_-`                     :math:`(g_+, g_-)` end to end
 diagonal affine         :math:`b + A\,\epsilon`                        ``loc`` :math:`b`, ``scale`` :math:`A`
 ======================  ===========================================  ================================
 
@@ -362,10 +362,10 @@ class AffineGrad(NamedTuple):
 
 
 class MultiplicativeGrad(NamedTuple):
-    r"""The multiplicative algebra gradient: ``scale`` :math:`X_+`, ``scale_minus`` :math:`X_-` (None unsigned)."""
+    r"""The multiplicative algebra gradient: ``scale`` :math:`X` shaped like the state's ``scale``
+    (:math:`(X_+, X_-)` end to end in the signed form)."""
 
     scale: Any
-    scale_minus: Any = None
 
 
 def additive_delta(rule, trace, grad, count):
@@ -384,23 +384,27 @@ def additive_step(rule, loc, trace, grad, count):
 
 def multiplicative_factor(rule, momentum, grad, count):
     """``(z, momentum)``: the new momentum and the exponent :math:`z = \\rho M` of :math:`g \\leftarrow g e^{-z}`."""
-    momentum = ema(momentum, grad / rule.metric, rule.momentum)
+    momentum = ema(momentum, grad * (1.0 / rule.metric), rule.momentum)
     z = value_at(rule.lr, count) * momentum
     if rule.clip_radius != float("inf"):
         z = jnp.clip(z, -rule.clip_radius, rule.clip_radius)
     return z, momentum
 
 
-def affine_direction(rule, scale, m_loc, m_scale, grad, count):
+def affine_direction(rule, scale, m_loc, m_scale, grad, count, with_decay=False):
     r"""``(z, shift, m_loc, m_scale)``: the new momenta, :math:`z = \rho_A M_A` (so :math:`A \leftarrow A e^{-z}`) and
-    the shift :math:`-\rho A M_b \varphi(z)` (so :math:`b \leftarrow b + \text{shift}`), elementwise, any shape."""
-    m_loc = ema(m_loc, grad.loc / rule.metric_loc, rule.momentum)
-    m_scale = ema(m_scale, grad.scale / rule.metric_scale, rule.scale_momentum)
+    the shift :math:`-\rho A M_b \varphi(z)` (so :math:`b \leftarrow b + \text{shift}`), elementwise, any shape;
+    with ``with_decay`` also :math:`e^{-z} - 1`."""
+    m_loc = ema(m_loc, grad.loc * (1.0 / rule.metric_loc), rule.momentum)
+    m_scale = ema(m_scale, grad.scale * (1.0 / rule.metric_scale), rule.scale_momentum)
     z = value_at(rule.scale_lr, count) * m_scale
     if rule.clip_radius != float("inf"):
         z = jnp.clip(z, -rule.clip_radius, rule.clip_radius)
-    shift = -value_at(rule.lr, count) * scale * m_loc * phi(z)
-    return z, shift, m_loc, m_scale
+    decay = jnp.expm1(-z)
+    safe = jnp.where(z == 0, jnp.ones_like(z), z)
+    phi_z = jnp.where(z == 0, jnp.ones_like(z), -decay / safe)  # phi(z), from the same expm1
+    shift = -value_at(rule.lr, count) * scale * m_loc * phi_z
+    return (z, shift, m_loc, m_scale, decay) if with_decay else (z, shift, m_loc, m_scale)
 
 
 # ----------------------------------------------------------------------------- states
@@ -427,13 +431,12 @@ class AdditiveState(NamedTuple):
 
 
 class MultiplicativeState(NamedTuple):
-    r"""The multiplicative group: ``scale`` :math:`g` (:math:`g_+` in the signed form), ``scale_minus`` :math:`g_-`
-    (None unsigned), their momenta, ``count``, ``skipped``, ``base_mean`` :math:`\mathbb E[\xi]`, ``layout``."""
+    r"""The multiplicative group: ``scale`` :math:`g` (flat), in the signed form :math:`(g_+, g_-)` end to end (twice
+    the weights' size: one vector, so that a step is one pass), its ``momentum``, ``count``, ``skipped``,
+    ``base_mean`` :math:`\mathbb E[\xi]`, ``layout``."""
 
     scale: jax.Array
-    scale_minus: Optional[jax.Array]
     momentum: jax.Array
-    momentum_minus: Optional[jax.Array]
     count: jax.Array
     skipped: jax.Array
     base_mean: jax.Array
@@ -441,12 +444,22 @@ class MultiplicativeState(NamedTuple):
 
     @property
     def signed(self):
-        return self.scale_minus is not None
+        return self.scale.shape[0] != self.layout.size
+
+    @property
+    def scale_plus(self):
+        """:math:`g_+` (:math:`g` unsigned), flat."""
+        return self.scale[: self.layout.size]
+
+    @property
+    def scale_minus(self):
+        """:math:`g_-` (None unsigned), flat."""
+        return self.scale[self.layout.size:] if self.signed else None
 
     @property
     def params(self):
-        """The point estimate :math:`\\mathbb E_q[\\theta] = \\mathbb E[\\xi](g_+ - g_-)` as the weights' pytree."""
-        g = self.scale - self.scale_minus if self.signed else self.scale
+        r"""The point estimate :math:`\mathbb E_q[\theta] = \mathbb E[\xi](g_+ - g_-)` as the weights' pytree."""
+        g = self.scale_plus - self.scale_minus if self.signed else self.scale
         return self.layout.unravel(self.base_mean * g)
 
     def tree(self, flat):
@@ -549,18 +562,18 @@ def init_multiplicative(params, base_mean_value, signed, init_offset=1e-5):
     mu = jnp.asarray(base_mean_value, w.dtype)
     zeros = jnp.zeros_like(w)
     if signed:
-        plus = jnp.maximum(w, 0) / mu + init_offset
-        minus = jnp.maximum(-w, 0) / mu + init_offset
-        return MultiplicativeState(plus, minus, zeros, zeros, _zero(), _zero(), mu, layout)
-    return MultiplicativeState(w / mu + init_offset, None, zeros, None, _zero(), _zero(), mu, layout)
+        scale = jnp.concatenate([jnp.maximum(w, 0), jnp.maximum(-w, 0)]) / mu + init_offset
+    else:
+        scale = w / mu + init_offset
+    return MultiplicativeState(scale, jnp.zeros_like(scale), _zero(), _zero(), mu, layout)
 
 
 # ----------------------------------------------------------------------------- updates (skip a non-finite step)
 
 
 def _finite(*arrays):
-    # one reduction: x * 0 is 0 for finite x and NaN otherwise
-    return jnp.isfinite(sum(jnp.sum(a * 0) for a in arrays if a is not None))
+    # one fused reduction over arrays of one shape: x * 0 is 0 for finite x and NaN otherwise
+    return jnp.isfinite(jnp.sum(sum(a * 0 for a in arrays)))
 
 
 def _keep(ok, new, old):
@@ -574,7 +587,7 @@ def _counted(ok, state):
 def additive_update(rule: AdditiveRule, state: AdditiveState, grad, loss=jnp.nan):
     """One additive step from the flat gradient :math:`\\hat G`; ``(state, StepInfo)``."""
     loc, trace = additive_step(rule, state.loc, state.momentum, grad, state.count)
-    ok = _finite(loc, trace)
+    ok = _finite(loc)  # a non-finite gradient makes the trace, hence loc, non-finite
     count, skipped = _counted(ok, state)
     loc, trace = _keep(ok, (loc, trace), (state.loc, state.momentum))
     return state._replace(loc=loc, momentum=trace, count=count, skipped=skipped), StepInfo(loss, ~ok)
@@ -584,28 +597,19 @@ def multiplicative_update(rule: MultiplicativeRule, state: MultiplicativeState, 
     """One multiplicative step from the algebra gradient; ``(state, StepInfo)``."""
     z, mom = multiplicative_factor(rule, state.momentum, grad.scale, state.count)
     raw = state.scale * jnp.exp(-z)
-    new = [clamp_scale(raw), None, mom, None]
-    checked = [raw * 0 + mom]
-    if state.signed:
-        z_m, mom_m = multiplicative_factor(rule, state.momentum_minus, grad.scale_minus, state.count)
-        raw_m = state.scale_minus * jnp.exp(-z_m)
-        new[1], new[3] = clamp_scale(raw_m), mom_m
-        checked.append(raw_m * 0 + mom_m)
-    ok = _finite(*checked)
-    old = (state.scale, state.scale_minus, state.momentum, state.momentum_minus)
-    scale, scale_minus, mom, mom_m = _keep(ok, tuple(new), old)
+    ok = _finite(raw, mom)
+    scale, mom = _keep(ok, (clamp_scale(raw), mom), (state.scale, state.momentum))
     count, skipped = _counted(ok, state)
-    new_state = state._replace(scale=scale, scale_minus=scale_minus, momentum=mom, momentum_minus=mom_m,
-                               count=count, skipped=skipped)
-    return new_state, StepInfo(loss, ~ok)
+    return state._replace(scale=scale, momentum=mom, count=count, skipped=skipped), StepInfo(loss, ~ok)
 
 
 def affine_update(rule: AffineRule, state: AffineState, grad: AffineGrad, loss=jnp.nan):
     """One affine step from the algebra gradient; ``(state, StepInfo)``."""
-    z, shift, m_loc, m_scale = affine_direction(rule, state.scale, state.loc_momentum, state.scale_momentum, grad, state.count)
+    z, shift, m_loc, m_scale, decay = affine_direction(rule, state.scale, state.loc_momentum, state.scale_momentum, grad,
+                                                       state.count, with_decay=True)
     loc = state.loc + shift
-    scale = clamp_scale(state.scale * jnp.exp(-z))
-    ok = _finite(loc, m_loc, m_scale, z)
+    scale = clamp_scale(state.scale + state.scale * decay)  # A e^{-z} = A + A expm1(-z): one transcendental
+    ok = _finite(loc, m_scale)  # a non-finite m_loc makes the shift, hence loc, non-finite (A phi(z) > 0)
     old = (state.loc, state.scale, state.loc_momentum, state.scale_momentum)
     loc, scale, m_loc, m_scale = _keep(ok, (loc, scale, m_loc, m_scale), old)
     count, skipped = _counted(ok, state)
