@@ -21,7 +21,6 @@ import os
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import numpyro.distributions as dist
 

@@ -55,6 +55,7 @@ from numpyro.distributions import constraints
 from numpyro.distributions.transforms import AffineTransform, biject_to
 from numpyro.infer.autoguide import AutoGuide
 from numpyro.infer.initialization import init_to_median
+from numpyro.distributions.util import periodic_repeat
 from numpyro.optim import _value_and_grad
 
 from numpyro_blr.layout import GuideLayoutError, Layout
@@ -162,6 +163,11 @@ class LieGroupGuide(AutoGuide):
             c_loc, c_scale = (None, None) if group == "additive" else lie.resolve_metric(self.metric, base, group)
             init_loc = self._init_locs[name]
             event_dim = site["fn"].event_dim + jnp.ndim(init_loc) - jnp.ndim(site["value"])
+            for frame in site["cond_indep_stack"]:  # subsampled plates: parameters for the full size (as AutoNormal)
+                full_size = self._prototype_frame_full_sizes[frame.name]
+                if full_size != frame.size:
+                    init_loc = periodic_repeat(init_loc, full_size, frame.dim - event_dim)
+            self._init_locs[name] = init_loc
             mu = lie.base_mean(base)
             dtype = jnp.result_type(init_loc)
             if group == "affine":

@@ -16,7 +16,6 @@ from numpyro.infer import SVI, Predictive, Trace_ELBO
 from numpyro.infer.autoguide import AutoNormal
 
 import numpyro_blr as nb
-from numpyro_blr.estimators import Estimate
 from numpyro_blr.rules import liegroup as lie
 
 PARAMS = {"w": jnp.asarray(np.random.default_rng(0).standard_normal((3, 2)), jnp.float32), "b": jnp.zeros(2)}
@@ -80,6 +79,7 @@ def _known_noise_model(x, y=None):
     numpyro.sample("y", dist.Normal(x @ w, 0.5), obs=y)
 
 
+@pytest.mark.slow
 def test_affine_gaussian_is_diagonal_blr_to_first_order():
     r"""One step from the same guide with the same draw: nb.BLR on AutoNormal (plain precision step, one-pass
     Price curvature, no backtracking) and LieGroupBLR on the affine group with a Gaussian q0 agree to first order
@@ -172,8 +172,13 @@ def _make(group, base):
     return nb.lie_multiplicative(0.1, ess=10.0, base=base)
 
 
-@pytest.mark.parametrize("group, base", [(g, b) for g in lie.GROUPS for b in _bases(g)],
-                         ids=lambda v: v if isinstance(v, str) else type(v).__name__)
+def _noise_cases():
+    # Student-t and Gamma draw through JAX's gamma sampler, whose compilation alone takes seconds: slow
+    return [pytest.param(g, b, marks=pytest.mark.slow) if isinstance(b, (dist.StudentT, dist.Gamma)) else (g, b)
+            for g in lie.GROUPS for b in _bases(g)]
+
+
+@pytest.mark.parametrize("group, base", _noise_cases(), ids=lambda v: v if isinstance(v, str) else type(v).__name__)
 def test_fresh_noise_every_step_every_leaf_under_jit(group, base):
     """Under jit, consecutive steps (keys folded from the step count inside jit) draw different noise for every
     q0 and every leaf, and two leaves of the same shape and value get different noise (one flat draw per step,
@@ -214,6 +219,7 @@ def test_multiplicative_point_estimate_is_the_mean():
     assert np.all(np.abs(np.asarray(flat.mean(0)) - np.asarray(state.layout.ravel(state.params))) < 5 * se + 1e-8)
 
 
+@pytest.mark.slow
 def test_affine_view_equals_the_algorithm_on_the_same_draws():
     """nb.as_optax / nb.perturbed of the affine row: the view's parameters and scales are the algorithm's when the
     algorithm's rule is fed the view's draws; and the multiplicative view's params follow its point estimate."""
@@ -244,6 +250,7 @@ def test_affine_view_equals_the_algorithm_on_the_same_draws():
     assert _max_abs_diff(p, s.state.params) < 1e-5
 
 
+@pytest.mark.slow
 def test_rows_train_and_sample():
     for algo in (nb.lie_additive(0.1, momentum=0.9, base=dist.Normal(0.0, 1e-3)),
                  nb.lie_affine(0.1, ess=8.0, scale_lr=0.01),
@@ -358,6 +365,7 @@ def scale_fit():
     return guide, svi.run(jax.random.PRNGKey(0), 1500, x, y, progress_bar=False), x, y
 
 
+@pytest.mark.slow
 def test_positive_site_is_multiplicative_without_softplus(scale_fit):
     guide, result, x, y = scale_fit
     assert "sigma_lie_scale" in result.params and "sigma_lie_loc" not in result.params
@@ -373,6 +381,7 @@ def test_positive_site_is_multiplicative_without_softplus(scale_fit):
     assert 0.35 < float(guide.mean(result.params)["sigma"]) < 0.75
 
 
+@pytest.mark.slow
 def test_predictive_sample_posterior_quantiles(scale_fit):
     guide, result, x, y = scale_fit
     post = guide.sample_posterior(jax.random.PRNGKey(1), result.params, x, sample_shape=(200,))
@@ -410,6 +419,24 @@ def test_optimizer_finds_its_guide_and_takes_a_fallback():
     svi = SVI(model, guide, nb.LieGroupBLR(0.05, fallback=optax.adam(1e-2)), Trace_ELBO())
     result = svi.run(jax.random.PRNGKey(0), 300, x, y, progress_bar=False)
     assert np.all(np.isfinite(result.losses)) and result.losses[-50:].mean() < result.losses[:50].mean()
+
+
+@pytest.mark.slow
+def test_subsampled_plate_has_full_size_parameters():
+    """A local latent in a subsampled plate gets parameters for the full plate, as AutoNormal's."""
+
+    def model(y=None):
+        mu = numpyro.sample("mu", dist.Normal(0.0, 1.0))
+        with numpyro.plate("data", 20, subsample_size=5) as idx:
+            z = numpyro.sample("z", dist.Normal(mu, 1.0))
+            numpyro.sample("y", dist.Normal(z, 0.5), obs=y[idx])
+
+    y = jnp.linspace(-1.0, 1.0, 20)
+    guide = nb.LieGroupGuide(model)
+    svi = SVI(model, guide, nb.LieGroupBLR(0.05), Trace_ELBO())
+    result = svi.run(jax.random.PRNGKey(0), 50, y, progress_bar=False)
+    assert result.params["z_lie_loc"].shape == (20,) and result.params["z_lie_scale"].shape == (20,)
+    assert np.all(np.isfinite(result.losses))
 
 
 # ----------------------------------------------------------------------------- bad input

@@ -16,25 +16,23 @@ multiplicative          :math:`g\,\xi` (:math:`\xi > 0`), or signed    ``scale``
 diagonal affine         :math:`b + A\,\epsilon`                        ``loc`` :math:`b`, ``scale`` :math:`A`
 ======================  ===========================================  ================================
 
-**Energy and gradient.** With :math:`\bar\ell` the average mini-batch loss, :math:`N` the effective
-sample size (``ess``), :math:`\delta` the ``weight_decay`` and :math:`T` the ``temperature``, the
-multiplicative and affine rules minimise, in *natural units* (a Bayesian posterior for :math:`T=1`;
-in SVI, :math:`N = T = 1` and :math:`L` is minus the log joint),
+**Objective and gradient.** With :math:`\bar\ell` the average mini-batch loss, :math:`N` the effective
+sample size (``ess``), :math:`\delta` the ``weight_decay`` and :math:`T` the ``temperature``, the rules
+minimise :math:`\mathbb E_{q_g}[\bar\ell(\theta) + \tfrac{\delta}{2}\|\theta\|^2] - \tfrac{T}{N}\mathbb H[q_g]`
+(in SVI, :math:`N = T = 1` and :math:`\bar\ell` is minus the log joint). Its gradient in the Lie algebra
+(the derivative along :math:`g\exp(tX)`) follows from the reparameterisation :math:`\theta = g\cdot\xi`
+(Sec. 3.3 of the paper), with :math:`G = \nabla\bar\ell(\theta) + \delta\theta` at a draw (the prior is
+sampled with the loss, as in the paper):
 
 .. math::
-    \mathcal E(g) = \mathbb E_{q_g}[L(\theta)] - \mathbb H[q_g], \qquad
-    L(\theta) = \tfrac{N}{T}\big(\bar\ell(\theta) + \tfrac{\delta}{2}\|\theta\|^2\big).
+    \text{affine (natural units, times } N/T\text{):}\quad X_b = \tfrac{N}{T} A\,\mathbb E[G], \quad
+        X_A = \tfrac{N}{T}\mathbb E[A\epsilon\, G] - 1; \qquad
+    \text{multiplicative (per example):}\quad X_\pm = \mathbb E[\pm g_\pm\xi_\pm\, G] - \tfrac{T}{N},
 
-Its gradient in the Lie algebra (the derivative along :math:`g\exp(tX)`) follows from the
-reparameterisation :math:`\theta = g\cdot\xi` (Sec. 3.3 of the paper), with
-:math:`G = \nabla L(\theta)`:
-
-.. math::
-    \text{affine:}\quad X_b = A\,\mathbb E[G], \quad X_A = \mathbb E[A\epsilon\, G] - 1; \qquad
-    \text{multiplicative:}\quad X_\pm = \mathbb E[\pm g_\pm\xi_\pm\, G] - 1,
-
-the :math:`-1` being the entropy's derivative along a log-scale (the prior/temperature term of the
-paper's Algorithms 2-3 is :math:`\delta` inside :math:`G` and :math:`T` in :math:`N/T`).
+the :math:`-1` (:math:`-T/N`) being the entropy's derivative along a log-scale. The units make ``lr`` a
+usable step size in each group: the affine shift step is then a Newton step in the per-example curvature
+(as IVON's) whatever :math:`T`, and the multiplicative step, in :math:`\log g`, is independent of the
+temperature (the paper's cold posteriors, :math:`T \ll 1`). In SVI both are the same.
 
 **The step.** The natural gradient divides by the Fisher metric of the family, which at the
 identity depends only on :math:`q_0` (App. A of the paper): per coordinate
@@ -70,14 +68,13 @@ The point estimate (``state.params``) is the mean of :math:`q`: :math:`w + \math
 """
 
 import math
-from typing import Any, NamedTuple, Optional
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import numpyro.distributions as dist
 from numpyro.distributions import constraints
-from numpyro.distributions.util import promote_shapes
 
 from numpyro_blr.core import StepInfo, check_params, value_at
 from numpyro_blr.tree import FlatLayout
@@ -560,7 +557,6 @@ def init_multiplicative(params, base_mean_value, signed, init_offset=1e-5):
     layout = FlatLayout.of(params)
     w = layout.ravel(jax.tree.map(jnp.asarray, params))
     mu = jnp.asarray(base_mean_value, w.dtype)
-    zeros = jnp.zeros_like(w)
     if signed:
         scale = jnp.concatenate([jnp.maximum(w, 0), jnp.maximum(-w, 0)]) / mu + init_offset
     else:
