@@ -41,7 +41,7 @@ from jax import lax
 from jax.scipy.linalg import solve_triangular
 from numpyro.optim import _NumPyroOptim
 
-from numpyro_blr.estimators import HESSIANS, at_mean, estimate
+from numpyro_blr.estimators import HESSIANS, at_mean, estimate, hoist_constant_work
 from numpyro_blr import expfam_blocks
 from numpyro_blr.layout import DIAGONAL, EXPFAM, FULL, POINT, GuideLayoutError, read_layout
 from numpyro_blr.guide_trace import (
@@ -519,6 +519,9 @@ class BLR(_NumPyroOptim):
         layout = self.layout(params)
         check_loss(fn, params, layout, read_by_names=not self.traced)  # trace time only
         passthrough = passthrough_params(fn, params, layout.other, self.fallback, "nb.BLR")
+        # the loss is evaluated several times per step at one key: its parameter-free work (the draws
+        # of epsilon above all) is done once (estimators.hoist_constant_work: a smaller program to compile)
+        loss_fn, fn = fn, hoist_constant_work(fn, params)
         hessian = self.hessian_for(params, layout)
         (loss, aux), grads, stats, points, joint_hess = estimate(
             fn, params, layout, hessian, self.delta, forward_mode, self.point_hessian
@@ -544,8 +547,8 @@ class BLR(_NumPyroOptim):
         for j, b in enumerate(layout.blocks):
             if b.kind == EXPFAM:  # ExpFamilyGuide's Gamma/Beta/Dirichlet/Bernoulli/Categorical sites
                 key = jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(self.seed), i), j)
-                new = expfam_blocks.update_block(
-                    b, fn, params, grads, lr, self.improved != "plain", key,
+                new = expfam_blocks.update_block(  # the loss itself: it forces the site's values by a handler
+                    b, loss_fn, params, grads, lr, self.improved != "plain", key,
                     self.max_enumerate, self.score_samples,
                 )
                 new_params.update(new)
