@@ -100,7 +100,9 @@ def hoist_constant_work(fn, params):
     it across the copies (the copies inside ``lax.while_loop`` or batched by ``vmap`` differ), so a
     small model's step compiled mostly random-number code: on ``ucbadmit_glmm`` with ``AutoNormal``,
     39,000 of the step's optimised HLO operations, 20,000 after this (measured with
-    ``bench/bench_compile.py``'s cases; the compile time follows the operation count).
+    ``bench/bench_compile.py``'s cases; the compile time follows the operation count). The values
+    the kept equations read are passed through ``lax.optimization_barrier``: materialised once, XLA
+    cannot fuse (copy) the random-number code into each consumer's kernel (16,000 operations).
 
     ``fn`` is traced once into a jaxpr; every equation none of whose inputs depends on ``params`` (and
     that has no effect) is evaluated here, the others are kept, and the returned function evaluates
@@ -117,16 +119,26 @@ def hoist_constant_work(fn, params):
         avals = [(tuple(v.aval.shape), v.aval.dtype) for v in jaxpr.invars]
         known = dict(zip(jaxpr.constvars, closed.consts))
         varying = set(jaxpr.invars)
-        staged = []
+        staged, computed = [], []
         for eqn in jaxpr.eqns:
             if eqn.effects or any(not isinstance(v, Literal) and v in varying for v in eqn.invars):
                 staged.append(eqn)
                 varying.update(eqn.outvars)
             else:
                 _bind_equation(eqn, known)
+                computed.extend(eqn.outvars)
     except Exception:  # noqa: BLE001 - a loss this cannot split is evaluated as it is
         return fn
     out_tree = jax.tree_util.tree_structure(out_shape)
+    # what the kept equations read of the computed values, materialised once: without the barrier
+    # XLA fuses (copies) the random-number code into each of its consumers' kernels
+    read = {v for eqn in staged for v in eqn.invars if not isinstance(v, Literal)}
+    read.update(v for v in jaxpr.outvars if not isinstance(v, Literal))
+    residuals = [v for v in computed if v in read]  # in the order of the equations: a deterministic program
+    try:
+        known.update(zip(residuals, jax.lax.optimization_barrier([known[v] for v in residuals])))
+    except Exception:  # noqa: BLE001 - a value the barrier does not take (a typed key): left as it is
+        pass
 
     def hoisted(p):
         p_leaves, p_tree = jax.tree_util.tree_flatten(p)
