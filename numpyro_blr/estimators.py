@@ -269,7 +269,7 @@ def _grad_and_loc_hessian(fn, params, names, forward_mode, scaled_blocks=()):
     return out, grads, jac[:, :d], jac[:, d]
 
 
-def estimate(fn, params, layout, hessian="reparam", delta=False, forward_mode=False, point_hessian="autodiff"):
+def estimate(fn, params, layout, hessian="reparam", delta=False, forward_mode=False, point_hessian="autodiff", with_mean_loss=False):
     """Evaluate the loss and the BLR's gradient statistics for every block of ``layout``.
 
     Returns ``((loss, aux), grads, stats, points, joint)`` where ``grads`` are the raw gradients of
@@ -278,7 +278,9 @@ def estimate(fn, params, layout, hessian="reparam", delta=False, forward_mode=Fa
     (``g`` raveled, ``h`` a dense matrix), or None when there are none, and ``joint`` is the dense
     Hessian over all diagonal blocks' locs (raveled in layout order) when ``hessian="autodiff"``,
     else None. ``point_hessian``
-    ('autodiff' or 'none') is the curvature used for point masses, which have no sample.
+    ('autodiff' or 'none') is the curvature used for point masses, which have no sample. With
+    ``with_mean_loss`` and ``delta``, a sixth value: the loss at the mean, where gradient and Hessian
+    were evaluated (backtracking compares with it: one loss evaluation less to compile and to run).
     """
     if hessian not in HESSIANS:
         raise ValueError(f"hessian must be one of {HESSIANS}, got {hessian!r}")
@@ -296,6 +298,7 @@ def estimate(fn, params, layout, hessian="reparam", delta=False, forward_mode=Fa
         (loss, aux), grads, hess, column = _grad_and_loc_hessian(fn, eval_params, names, forward_mode, scaled)
     else:
         (loss, aux), grads = _value_and_grad(fn, eval_params, forward_mode)
+    mean_loss = loss
     if delta:
         loss, aux = fn(params)
     if names:
@@ -365,4 +368,6 @@ def estimate(fn, params, layout, hessian="reparam", delta=False, forward_mode=Fa
             idx = np.concatenate([np.arange(*offsets[n]) for n in sorted(point_names)])
             h = hess[np.ix_(idx, idx)]
         points = BlockStats(g, h)
+    if with_mean_loss and delta:
+        return (loss, aux), grads, stats, points, joint, mean_loss
     return (loss, aux), grads, stats, points, joint

@@ -523,8 +523,8 @@ class BLR(_NumPyroOptim):
         # of epsilon above all) is done once (estimators.hoist_constant_work: a smaller program to compile)
         loss_fn, fn = fn, hoist_constant_work(fn, params)
         hessian = self.hessian_for(params, layout)
-        (loss, aux), grads, stats, points, joint_hess = estimate(
-            fn, params, layout, hessian, self.delta, forward_mode, self.point_hessian
+        (loss, aux), grads, stats, points, joint_hess, *mean_loss = estimate(
+            fn, params, layout, hessian, self.delta, forward_mode, self.point_hessian, with_mean_loss=self.backtrack
         )
         t = i + 1
         schedule = self.schedule(params, layout)
@@ -634,7 +634,8 @@ class BLR(_NumPyroOptim):
         if self.backtrack:
             locs = [b.loc for b in layout.blocks if b.kind != EXPFAM]
             if locs:
-                damping = self._backtrack(fn, params, new_params, locs, loss, control, self.delta and layout)
+                loss0 = mean_loss[0] if self.delta else loss  # the delta method compares losses at the mean
+                damping = self._backtrack(fn, params, new_params, locs, loss0, control, self.delta and layout)
                 for n in locs:
                     new_params[n] = params[n] + damping.astype(params[n].dtype) * (new_params[n] - params[n])
 
@@ -686,11 +687,12 @@ class BLR(_NumPyroOptim):
         below the true one, a mean far in the tail), :math:`\alpha` is the first of
         :math:`1, 1/4, 1/16, \dots` at which :math:`\phi` does not rise, and 0 when none of ``tries``
         does: the mean cannot overshoot (damped Newton; Nocedal & Wright 2006, Sec. 3.1). With the
-        delta method (``mean_layout``), :math:`f` is the loss at the mean. One loss evaluation per try.
+        delta method (``mean_layout``), :math:`f` is the loss at the mean, and ``loss`` is :math:`f(m)`
+        (the estimate's evaluation: ``estimate(..., with_mean_loss=True)``). One loss evaluation per try.
         """
         delta = {n: new_params[n] - params[n] for n in locs}
         at = (lambda p: at_mean(p, mean_layout)) if mean_layout else (lambda p: p)
-        loss0 = jnp.asarray(fn(at(params))[0] if mean_layout else loss)
+        loss0 = jnp.asarray(loss)
         slope = sum((jnp.sum(delta[n] * control[n]) for n in control), jnp.zeros((), loss0.dtype))
         tol = 4.0 * jnp.finfo(loss0.dtype).eps * jnp.abs(loss0)
 
