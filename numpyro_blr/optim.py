@@ -526,6 +526,16 @@ class BLR(_NumPyroOptim):
         (loss, aux), grads, stats, points, joint_hess, *mean_loss = estimate(
             fn, params, layout, hessian, self.delta, forward_mode, self.point_hessian, with_mean_loss=self.backtrack
         )
+        # The estimates pass an optimization barrier: materialised once, where XLA would otherwise fuse
+        # copies of the estimator's internals (the loss's tail, the Hessian's last products) into the
+        # many small kernels of the update and of the fit trace that read them. Measured on the 1000-step
+        # scan: kidiq AutoMultivariateNormal 4,789 -> 3,758 optimised HLO operations (compile CPU time
+        # 2.95 -> 2.69 s), ucbadmit_glmm AutoNormal 16,094 -> 10,155 (6.9 -> 5.7 s); step time unchanged.
+        # The Gaussian blocks' scale gradients stay outside: no later code reads them, so XLA drops them.
+        unread = {b.scale for b in layout.blocks if b.kind in (DIAGONAL, FULL)}
+        kept = {k: v for k, v in grads.items() if k not in unread}
+        loss, kept, stats, points, joint_hess, mean_loss = lax.optimization_barrier((loss, kept, stats, points, joint_hess, mean_loss))
+        grads = {**grads, **kept}
         t = i + 1
         schedule = self.schedule(params, layout)
         adaptive = getattr(schedule, "adaptive", False)
