@@ -427,8 +427,11 @@ class BLR(_NumPyroOptim):
 
         joint = self._joint_diagonal(params, layout)
         if joint:  # start from the guide's own (diagonal) covariance
-            scales = [np.asarray(b.transform(params[b.scale]), dtype=dtype).reshape(-1) for b in joint]
-            mean_tril = jax.device_put(np.diag(np.concatenate(scales)))
+            scales = [b.transform(params[b.scale]).reshape(-1) for b in joint]
+            if any(isinstance(x, jax.core.Tracer) for x in scales):  # init under jit (monitor.elbo_curve)
+                mean_tril = jnp.diag(jnp.concatenate(scales).astype(dtype))
+            else:
+                mean_tril = jax.device_put(np.diag(np.concatenate([np.asarray(x, dtype=dtype) for x in scales])))
         else:
             mean_tril = full((0, 0), 0)
         other = {k: params[k] for k in layout.other}
