@@ -35,7 +35,7 @@ from numpyro.optim import _NumPyroOptim
 
 from numpyro_blr.guide_trace import (
     PLACEHOLDER_SUFFIX,
-    as_optax,
+    fallback_transformation,
     check_foreign_state,
     check_loss,
     guide_call_args,
@@ -105,7 +105,7 @@ class GuideOptimizer(_NumPyroOptim):
 
     def __init__(self, algorithm, *, fallback=None, guide=None, guide_args=None, guide_kwargs=None, prefix=None):
         self.algorithm = algorithm
-        self.fallback = as_optax(fallback)
+        self.fallback = fallback_transformation(fallback)
         self.guide = guide
         # a hand-written guide is read by tracing it (numpyro_blr.guide_trace), with these arguments
         self.traced = guide is not None and not is_autoguide(guide)
