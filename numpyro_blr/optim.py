@@ -46,6 +46,7 @@ from numpyro.optim import _NumPyroOptim
 
 from numpyro_blr.estimators import HESSIANS, at_mean, estimate, hoist_constant_work
 from numpyro_blr import expfam_blocks
+from numpyro_blr.parallel import check_guide_memory
 from numpyro_blr.layout import DIAGONAL, EXPFAM, FULL, POINT, GuideLayoutError, read_layout
 from numpyro_blr.guide_trace import (
     PLACEHOLDER_SUFFIX,
@@ -480,6 +481,7 @@ class BLR(_NumPyroOptim):
         program of its own (14 on ``ucbadmit_glmm`` with ``AutoNormal``: 0.1-0.7 s of the user's
         first ``svi.init``, 0.04 s now, the guide's scale transform)."""
         layout = self.layout(params)
+        check_guide_memory(params, layout, points=self.point_hessian == "autodiff")  # numpyro_blr.parallel: D x D blocks that cannot fit raise here
         dp = self._point_dim(params, layout) if self.point_hessian == "autodiff" else 0
         dtype = jnp.result_type(*[params[b.loc] for b in layout.blocks]) if layout.blocks else jnp.result_type(float)
 

@@ -42,6 +42,7 @@ from numpyro_blr.guide_trace import (
     passthrough_params,
     trace_layout,
 )
+from numpyro_blr.parallel import check_guide_memory
 from numpyro_blr.layout import GuideLayoutError, read_layout
 
 
@@ -154,6 +155,7 @@ class GuideOptimizer(_NumPyroOptim):
     # -- the _NumPyroOptim protocol --------------------------------------------------------
     def init(self, params):
         layout = self.layout(params)
+        check_guide_memory(params, layout)  # numpyro_blr.parallel: D x D blocks that cannot fit raise here
         params, state = self.algorithm.init(dict(params), layout)
         other = {k: params[k] for k in layout.other}
         return jnp.array(0), GuideState(
