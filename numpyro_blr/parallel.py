@@ -5,7 +5,7 @@ plate, so its gradient and Hessian statistics are sums of per-shard partial sums
 along the plate dimension on a device ``Mesh`` and the parameters and optimizer state replicated,
 ``jax.jit`` (GSPMD) compiles the unchanged SVI step into one program per device and inserts the
 reduction itself; XLA's all-reduce combiner merges the partial loss, gradient and Hessian into one
-all-reduce (measured: :func:`collective_counts`, ``tests/test_scale.py``)::
+all-reduce (measured: :func:`collective_counts`, ``tests/parallel/test_scale.py``)::
 
     mesh = nb.data_mesh()                              # all devices, axis "data"
     X, y = nb.shard_data(mesh, X, y, model=model)      # the plate dimension split over the devices
@@ -268,7 +268,7 @@ def data_parallel_step(algorithm, loss_fn, mesh, *, per_device_sample=False, bat
       ``axis_name`` equal to that axis (``nb.ivon(..., axis_name="data")``): its ``step`` folds the
       device index into the key, so each device draws its own weights, and ``lax.pmean``-s the estimate
       (loss, gradient, curvature), as IVON's multi-GPU training does. The curvature's Monte Carlo
-      variance falls by about the device count (``tests/test_scale.py`` measures it). Each device's
+      variance falls by about the device count (``tests/parallel/test_scale.py`` measures it). Each device's
       loss is the mean over its shard, so the pmean is the mean over the batch.
     """
     mesh, axis_name = _mesh(mesh)

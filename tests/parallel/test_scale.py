@@ -1,6 +1,6 @@
 """Data-parallel BLR / IVON / stochastic VI (numpyro_blr.parallel, issue 15).
 
-The multi-device checks run in a subprocess (tests/scale_worker.py) that sets
+The multi-device checks run in a subprocess (tests/parallel/scale_worker.py) that sets
 ``XLA_FLAGS=--xla_force_host_platform_device_count=4`` before JAX is imported: four emulated CPU devices.
 The worker measures; the tolerances are here. The two-process test starts two JAX processes on
 127.0.0.1 (gloo CPU collectives) with nb.parallel.launch_local, bounded in time.
@@ -25,8 +25,9 @@ from numpyro.infer.autoguide import AutoMultivariateNormal, AutoNormal
 import numpyro_blr as nb
 from numpyro_blr.layout import read_layout
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-WORKER = ROOT / "tests" / "scale_worker.py"
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+HERE = pathlib.Path(__file__).resolve().parent
+WORKER = HERE / "scale_worker.py"
 
 # float32 sums split over 4 devices are added in another order: the fits differ by rounding, which a few
 # hundred steps of a contracting iteration keep at that size (measured: <= 1.1e-6 on O(1) parameters)
@@ -227,11 +228,11 @@ def test_two_processes_match_one():
             for r in results]
     assert [o["process"] for o in outs] == [0, 1] and all(o["processes"] == 2 and o["devices"] == 2 for o in outs)
     assert all(o["global_rows"] == 568 for o in outs)
-    sys.path.insert(0, str(ROOT / "tests"))
+    sys.path.insert(0, str(HERE))
     try:
         ref = _single_process_fit()
     finally:
-        sys.path.remove(str(ROOT / "tests"))
+        sys.path.remove(str(HERE))
     for o in outs:
         for k, v in ref.params.items():
             np.testing.assert_allclose(np.asarray(o["params"][k]), np.asarray(v), atol=FLOAT_TOL * 2, rtol=0)

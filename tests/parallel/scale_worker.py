@@ -1,10 +1,10 @@
-"""The multi-device half of tests/test_scale.py, run in a subprocess.
+"""The multi-device half of tests/parallel/test_scale.py, run in a subprocess.
 
-``python tests/scale_worker.py CHECK [CHECK ...]`` sets ``XLA_FLAGS=--xla_force_host_platform_device_count=4``
+``python tests/parallel/scale_worker.py CHECK [CHECK ...]`` sets ``XLA_FLAGS=--xla_force_host_platform_device_count=4``
 before JAX is imported (four emulated CPU devices), runs each check and prints one JSON line per check:
 ``{"check": name, ...measurements}`` or ``{"check": name, "error": traceback}``. The checks measure;
-tests/test_scale.py holds the tolerances. With ``--processes`` it is one process of the two-process run
-(tests/test_scale.py::test_two_processes_match_one).
+tests/parallel/test_scale.py holds the tolerances. With ``--processes`` it is one process of the two-process run
+(tests/parallel/test_scale.py::test_two_processes_match_one).
 """
 
 import json
@@ -15,7 +15,7 @@ import traceback
 if "--process" not in sys.argv:
     os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
