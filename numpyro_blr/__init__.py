@@ -33,6 +33,19 @@ from numpyro_blr.liegroup_guide import LieGroupBLR, LieGroupGuide
 from numpyro_blr.rules.liegroup import Rayleigh
 from numpyro_blr.rules.diagonal import as_optax, perturbed
 from numpyro_blr.core import Algorithm, StepInfo, predictive
+from numpyro_blr import parallel
+from numpyro_blr.parallel import (
+    ScaleError,
+    check_data_sharding,
+    check_guide_memory,
+    collective_counts,
+    data_mesh,
+    data_parallel_estimate,
+    data_parallel_step,
+    replicate,
+    shard_data,
+    shard_state,
+)
 
 __all__ = [
     "Algorithm",
@@ -85,6 +98,17 @@ __all__ = [
     "nonfinite_parameters",
     "read_layout",
     "von",
+    "parallel",
+    "ScaleError",
+    "check_data_sharding",
+    "check_guide_memory",
+    "collective_counts",
+    "data_mesh",
+    "data_parallel_estimate",
+    "data_parallel_step",
+    "replicate",
+    "shard_data",
+    "shard_state",
 ]
 __version__ = "0.1.0"
 

@@ -42,6 +42,7 @@ from jax.scipy.linalg import solve_triangular
 from numpyro_blr import expfam_blocks
 from numpyro_blr.estimators import HESSIANS, at_mean, estimate, hoist_constant_work
 from numpyro_blr.layout import DIAGONAL, EXPFAM, FULL, POINT
+from numpyro_blr.parallel import check_guide_memory
 from numpyro_blr.report import FitTrace, fit_report, next_trace
 from numpyro_blr.rules.blr import (
     diagonal_precision_update,
@@ -243,6 +244,8 @@ class BLR(GuideOptimizer):
         built with ``jnp.zeros_like`` and the like (or ``jnp.asarray``), each new shape compiled a
         program of its own (14 on ``ucbadmit_glmm`` with ``AutoNormal``: 0.1-0.7 s of the user's
         first ``svi.init``, 0.04 s now, the guide's scale transform)."""
+        if self.point_hessian == "autodiff":  # numpyro_blr.parallel: the point masses' joint D x D precision must fit
+            check_guide_memory(params, layout, points=True)
         dp = self._point_dim(params, layout) if self.point_hessian == "autodiff" else 0
         dtype = jnp.result_type(*[params[b.loc] for b in layout.blocks]) if layout.blocks else jnp.result_type(float)
 

@@ -43,6 +43,7 @@ from numpyro_blr.guide_trace import (
     passthrough_params,
     trace_layout,
 )
+from numpyro_blr.parallel import check_guide_memory
 from numpyro_blr.layout import GuideLayoutError, read_layout
 
 
@@ -157,6 +158,7 @@ class GuideOptimizer(_NumPyroOptim):
     # -- the _NumPyroOptim protocol --------------------------------------------------------
     def init(self, params):
         layout = self.layout(params)
+        check_guide_memory(params, layout)  # numpyro_blr.parallel: D x D blocks that cannot fit raise here
         params, state = self.algorithm.init(dict(params), layout)
         other = {k: params[k] for k in layout.other}
         # constants from NumPy, placed once: jnp constructors compile a small program per new shape

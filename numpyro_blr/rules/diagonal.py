@@ -193,7 +193,7 @@ def diagonal_algorithm(estimator, rule: DiagonalRule, precision_init, ess=None, 
 
     from numpyro_blr.core import Algorithm
 
-    parts = DiagonalParts(estimator, rule, precision_init, ess, noise_rng)
+    parts = DiagonalParts(estimator, rule, precision_init, ess, noise_rng, axis_name)
     return Algorithm(init=init, step=step, sample=sample, update=update, parts=parts)
 
 
@@ -205,6 +205,7 @@ class DiagonalParts(NamedTuple):
     precision_init: float
     ess: Optional[float]
     noise_rng: str
+    axis_name: Optional[str] = None  # the mapped axis (shard_map/pmap) over which each device draws its own sample
 
 
 class TransformState(NamedTuple):
@@ -224,7 +225,10 @@ def _noise(parts, state):
 
     if parts.ess is None or not parts.estimator.sampled:
         return None
-    eps = standard_normal(state.key, state.precision.shape[0], state.precision.dtype, parts.noise_rng)
+    key = state.key
+    if parts.axis_name is not None:  # inside shard_map/pmap: each device its own draw (as step does)
+        key = jax.random.fold_in(key, jax.lax.axis_index(parts.axis_name))
+    eps = standard_normal(key, state.precision.shape[0], state.precision.dtype, parts.noise_rng)
     return eps * jax.lax.rsqrt(parts.ess * state.precision).astype(state.precision.dtype)
 
 
@@ -288,6 +292,8 @@ def as_optax(algorithm, seed=0):
         mean = layout.ravel(params)
         state = DiagonalState(mean, opt_state.precision, opt_state.momentum, opt_state.count, opt_state.skipped, layout)
         estimate = parts.estimator.from_grads(state, layout.ravel(grads), _noise(parts, opt_state), **extra)
+        if parts.axis_name is not None:  # one reduction: the devices' gradient and curvature statistics averaged
+            estimate = jax.lax.pmean(estimate, parts.axis_name)
         new, _ = diagonal_update(parts.rule, state, estimate.grad, estimate.hessian, estimate.loss)
         key, _ = jax.random.split(opt_state.key)
         new_opt_state = TransformState(new.precision, new.momentum, new.count, new.skipped, key, layout)
