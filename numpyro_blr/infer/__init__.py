@@ -3,7 +3,8 @@ stochastic VI with minibatches (:mod:`.stochastic`), and exact conjugate updates
 
 from numpyro_blr.infer.conjugate import ConjugateResult, conjugate_fit
 from numpyro_blr.infer.graph import ModelError, NonConjugateError
+from numpyro_blr.infer.stochastic import svi
 from numpyro_blr.infer.vmp import FitResult, MessagePassing, SweepInfo, VMPState, em, ncvmp, vmp
 
 __all__ = ["ConjugateResult", "FitResult", "MessagePassing", "ModelError", "NonConjugateError", "SweepInfo",
-           "VMPState", "conjugate_fit", "em", "ncvmp", "vmp"]
+           "VMPState", "conjugate_fit", "em", "ncvmp", "svi", "vmp"]

@@ -99,6 +99,7 @@ class Site:
     elem_shape: Tuple[int, ...] = ()
     block_shape: Tuple[int, ...] = ()
     block_size: int = 1
+    scale: float = 1.0  # the site's own factor's scale (a subsampled plate's N/B): q counts that many times
 
     # --- layout -------------------------------------------------------------------------------
     @property
@@ -272,6 +273,12 @@ def _make_site(name, msg, float_dtype, point):
                     plates, transform=biject_to(support))
     base = unwrap(fn)
     info = for_prior(base)
+    scale = msg.get("scale")
+    try:
+        scale = 1.0 if scale is None else float(scale)
+    except TypeError:
+        raise ModelError(f"site '{name}': a scale that varies over the site (handlers.scale with an array) is not "
+                         "supported by message passing; scale the whole site or none of it.") from None
     if info is None:
         raise NonConjugateError(
             f"site '{name}': prior {type(base).__name__} (support {fn.support}) has no exponential family here; "
@@ -279,7 +286,7 @@ def _make_site(name, msg, float_dtype, point):
         )
     kind = _KINDS[info.name]
     dtype = jnp.result_type(value) if info.discrete else float_dtype
-    site = Site(name, kind, info.family, info, shape, dtype, float_dtype, batch_shape, event_shape, plates)
+    site = Site(name, kind, info.family, info, shape, dtype, float_dtype, batch_shape, event_shape, plates, scale=scale)
     if kind == "gaussian":
         elem = tuple(sorted(plates.values()))
         block = tuple(a for a in range(len(shape)) if a not in elem)
@@ -396,25 +403,27 @@ class Graph:
         self.args, self.kwargs = tuple(args), dict(kwargs or {})
 
     def jit(self, fn, **jit_kwargs):
-        """``jax.jit(fn)`` with the model's array arguments passed as inputs, not folded in as constants (XLA
-        constant-folds computations on large constants: slow compiles, the same program recompiled per data set)."""
+        """``jax.jit(fn)`` with the model's array arguments and the subsampled plates' indices passed as inputs, not
+        folded in as constants (XLA constant-folds computations on large constants: slow compiles, and the same
+        program recompiled for every data set or minibatch)."""
 
-        def inner(data, *a, **k):
+        def inner(data, plate_values, *a, **k):
             leaves, treedef, dynamic = self._data_leaves()
-            saved = self.args, self.kwargs
+            saved = self.args, self.kwargs, self.plate_values
             leaves = list(leaves)
             for i, x in zip(dynamic, data):
                 leaves[i] = x
             self.args, self.kwargs = jax.tree_util.tree_unflatten(treedef, leaves)
+            self.plate_values = plate_values
             try:
                 return fn(*a, **k)
             finally:
-                self.args, self.kwargs = saved
+                self.args, self.kwargs, self.plate_values = saved
 
         jitted = jax.jit(inner, **jit_kwargs)
 
         def call(*a, **k):
-            return jitted(self.data(), *a, **k)
+            return jitted(self.data(), dict(self.plate_values), *a, **k)
 
         call.jitted = jitted
         return call
@@ -443,7 +452,11 @@ class Graph:
                     return jnp.arange(size)
             return None
 
-        with handlers.block():
+        import warnings
+
+        with handlers.block(), warnings.catch_warnings():
+            # the plate warns when given more indices than its subsample_size: the full data set, on purpose
+            warnings.filterwarnings("ignore", message="subsample_size does not match")
             model = handlers.seed(handlers.substitute(self.model, substitute_fn=substitute_fn), 0)
             return handlers.trace(model).get_trace(*self.args, **self.kwargs)
 

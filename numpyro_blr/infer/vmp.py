@@ -91,6 +91,7 @@ class MessagePassing(NamedTuple):
     elbo: Callable
     graph: Any
     parts: Any = None
+    engine: Any = None
 
 
 @dataclass
@@ -272,8 +273,12 @@ class _Engine:
         return sum((expected_factor(graph, f, rules, refs) for f in fs.values()), jnp.zeros((), self.float_dtype))
 
     def message(self, n, natural, mean):
-        r""":math:`\hat\eta_n = \nabla_{\mu_n}\mathbb E_q[\log p]` (the family's expectation NamedTuple)."""
-        return jax.grad(lambda m: self.expected([n], natural, {**mean, n: m}))(mean[n])
+        r""":math:`\hat\eta_n = \nabla_{\mu_n}\mathbb E_q[\log p] / s_n` (the family's expectation NamedTuple), with
+        :math:`s_n` the site's scale (a subsampled plate's :math:`N/B`: its :math:`q` stands for that many copies, whose
+        entropy counts as many times)."""
+        grad = jax.grad(lambda m: self.expected([n], natural, {**mean, n: m}))(mean[n])
+        scale = self.graph.sites[n].scale
+        return grad if scale == 1.0 else jax.tree.map(lambda g: g / scale, grad)
 
     def elbo_terms(self, natural):
         graph = self.graph
@@ -281,7 +286,7 @@ class _Engine:
         rules = site_rules(graph, natural, mean)
         refs = reference_values(graph, natural)
         per_factor = {f: expected_factor(graph, fac, rules, refs) for f, fac in graph.factors.items()}
-        entropies = {n: s.entropy(natural[n]) for n, s in graph.sites.items()}
+        entropies = {n: s.scale * s.entropy(natural[n]) for n, s in graph.sites.items()}
         total = sum(per_factor.values(), jnp.zeros((), self.float_dtype)) + sum(entropies.values(), jnp.zeros((), self.float_dtype))
         return total, per_factor, entropies
 
@@ -335,7 +340,7 @@ class _Engine:
             def loss(zb):
                 value = s.to_value(zb[None])[0]
                 one = (value[None], jnp.ones((1,), self.float_dtype))
-                return -self.expected([n], natural, mean, override={n: one})
+                return -self.expected([n], natural, mean, override={n: one}) / s.scale
 
             est = gaussian_estimators.estimate(loss, loc, precision, self.estimator, key, self.num_samples)
             flat = loc.reshape((-1, loc.shape[-1])), precision.reshape((-1,) + precision.shape[-2:])
@@ -352,7 +357,7 @@ class _Engine:
             user = info.constrain(raw)
             draws = fam.sample(key, *user, (self.num_samples,))
             one = (draws, jnp.full((self.num_samples,), 1.0 / self.num_samples, self.float_dtype))
-            return -self.expected([n], natural, mean, override={n: one}) - fam.entropy(*user)
+            return -self.expected([n], natural, mean, override={n: one}) / s.scale - fam.entropy(*user)
 
         est = implicit.estimate(info, raw, jax.grad(loss)(raw))
         return fam.blr_update(natural[n], est.grad, lr, improved=True)
@@ -464,9 +469,9 @@ class _Engine:
             expected_log_factors={f: float(v) for f, v in zip(self.graph.factors, per_factor)},
             entropies={n: float(v) for n, v in zip(self.graph.sites, entropies)})
 
-    def _nonfinite_name(self, info):
+    def _nonfinite_name(self, info, order=None):
         site_ok = np.asarray(info.site_ok)
-        for n, ok in zip(self.order, site_ok):
+        for n, ok in zip(self.order if order is None else order, site_ok):
             if not ok:
                 return f"site '{n}'"
         factor_ok = np.asarray(info.factor_ok)
@@ -490,6 +495,7 @@ class _Engine:
             elbo=self.elbo_jit,
             graph=self.graph,
             parts=parts,
+            engine=self,
         )
 
 
