@@ -420,3 +420,134 @@ def _check_shrunk(graph, f, natural, refs, summary, rng):
         err = np.abs(per - full) / (1.0 + np.abs(full))
         worst = max(worst, float(np.max(err)) if err.size else 0.0)
     return worst if np.isfinite(worst) else math.inf
+
+
+# ----------------------------------------------------------------------------------------------
+# Non-conjugate Gaussian sites: expectations along the factor's linear predictor
+# ----------------------------------------------------------------------------------------------
+#: Gauss-Hermite nodes per factor element for projected expectations
+GAUSS_HERMITE = 32
+
+_LINKS = {
+    "identity": (lambda t: t, lambda a: a),
+    "log": (jnp.log, jnp.exp),
+    "logit": (lambda t: jnp.log(t) - jnp.log1p(-t), jax.nn.sigmoid),
+}
+
+
+def _leaves(graph, f, values):
+    msg = graph.site_msg(f.name, values)
+    leaves, tree = jax.tree_util.tree_flatten(msg["fn"])
+    return leaves, tree, msg
+
+
+def find_projection(graph, f, gauss, natural, rtol, seed=0):
+    r"""Whether factor ``f`` reads its non-conjugate Gaussian sites ``gauss`` only through one parameter of its
+    distribution that is affine in them after a link (identity, log or logit): a generalised linear model's
+    linear predictor, a Student-t location. Then under :math:`q` that parameter is Gaussian per element, and
+    :math:`\mathbb E_q[\phi]` is a one-dimensional integral per element (:func:`projected_factor`). The
+    distribution must be elementwise (univariate, so that its log density is a sum of per-entry terms).
+    Returns ``(leaf index, link name)`` or None."""
+    rng = np.random.default_rng(seed)
+    summary = _summaries(graph, natural)
+    refs = {n: jnp.asarray(v[0]) for n, v in summary.items()}
+    draws = [{s: jnp.asarray(_test_value(graph.sites[s], summary[s], rng)) for s in gauss} for _ in range(2)]
+    mid = {s: 0.5 * (draws[0][s] + draws[1][s]) for s in gauss}
+
+    def leaves_at(values):
+        leaves, _, msg = _leaves(graph, f, {**refs, **values})
+        return leaves
+
+    try:
+        base = unwrap(graph.site_msg(f.name, refs)["fn"])
+        if base.event_shape != ():
+            return None
+        l0, l1, lm = (jax.jit(leaves_at)(v) for v in (draws[0], draws[1], mid))
+    except Exception:  # noqa: BLE001 - a factor that cannot be read this way takes the cubature rule
+        return None
+    changed = [i for i, (a, b) in enumerate(zip(l0, l1))
+               if jnp.issubdtype(jnp.result_type(a), jnp.floating) and not np.allclose(np.asarray(a), np.asarray(b), rtol=0, atol=0)]
+    if len(changed) != 1:
+        return None
+    i = changed[0]
+    full = tuple(base.batch_shape)
+    if np.ndim(l0[i]) > len(full) or not _broadcastable(np.shape(l0[i]), full):
+        return None
+    for name, (forward, _) in _LINKS.items():
+        with np.errstate(all="ignore"):
+            t0, t1, tm = (np.asarray(forward(jnp.asarray(x[i])), np.float64) for x in (l0, l1, lm))
+        if not (np.all(np.isfinite(t0)) and np.all(np.isfinite(t1))):
+            continue
+        err = np.abs(t0 + t1 - 2 * tm) / (1.0 + np.abs(t0) + np.abs(t1))
+        if float(np.max(err)) <= rtol:
+            return i, name
+    return None
+
+
+def _broadcastable(shape, target):
+    try:
+        np.broadcast_shapes(shape, target)
+        return len(shape) <= len(target)
+    except ValueError:
+        return False
+
+
+def projected_factor(graph, f, spec, gauss, rules, refs):
+    r""":math:`\mathbb E_q[\phi_f]` when the factor's parameter ``spec = (leaf, link)`` is affine (after the link) in the
+    non-conjugate Gaussian sites ``gauss`` (site -> ``(mean, scale_tril)`` in the element layout): per element
+    :math:`a_n = a_n(m) + \sum_k V_{nk}\epsilon_k`, with :math:`V_{\cdot k}` the derivative of :math:`a` along the
+    :math:`k`-th column of every element's Cholesky factor at once (so no element needs to know which element of a
+    site it reads), integrated by Gauss-Hermite; the other sites by their quadrature rules. Differentiable in the
+    means and Cholesky factors (the estimators' :math:`\nabla_m`, :math:`\nabla_\Sigma`)."""
+    leaf, link = spec
+    forward, inverse = _LINKS[link]
+    nodes, weights = np.polynomial.hermite_e.hermegauss(GAUSS_HERMITE)
+    dtype = graph.float_dtype
+    nodes, weights = jnp.asarray(nodes, dtype), jnp.asarray(weights / np.sqrt(2 * np.pi), dtype)
+    others = [d for d in f.deps if d not in gauss]
+    sites = list(gauss)
+
+    def at(values):
+        def predictor(blocks):
+            vals = {s: graph.sites[s].to_value(b[None])[0] for s, b in zip(sites, blocks)}
+            leaves, _, _ = _leaves(graph, f, {**refs, **values, **vals})
+            return forward(leaves[leaf])
+
+        means = tuple(gauss[s][0] for s in sites)
+        a0 = predictor(means)
+        var = jnp.zeros_like(a0)
+        for j, s in enumerate(sites):
+            chol = gauss[s][1]
+            b = chol.shape[-1]
+
+            def along(k, j=j, chol=chol):
+                tangent = tuple(jnp.zeros_like(m) if jj != j else chol[..., :, k] for jj, m in enumerate(means))
+                return jax.jvp(predictor, (means,), (tangent,))[1]
+
+            v = jax.vmap(along)(jnp.arange(b))
+            var = var + jnp.sum(v * v, 0)
+        positive = var > 0
+        sd = jnp.where(positive, jnp.sqrt(jnp.where(positive, var, 1.0)), 0.0)
+        mvals = {s: graph.sites[s].to_value(gauss[s][0][None])[0] for s in sites}
+        leaves, tree, msg = _leaves(graph, f, {**refs, **values, **mvals})
+
+        def log_prob(x):
+            new = list(leaves)
+            new[leaf] = inverse(a0 + sd * x)
+            fn = jax.tree_util.tree_unflatten(tree, new)
+            lp = fn.log_prob(msg["value"])
+            if msg.get("scale") is not None:
+                lp = lp * msg["scale"]
+            return jnp.broadcast_to(lp, f.batch_shape)
+
+        return jnp.tensordot(weights, jax.vmap(log_prob)(nodes), 1)
+
+    def over(level, fixed):
+        if level == len(others):
+            return at(fixed)
+        name = others[level]
+        pts, w = rules[name]
+        vals = jax.vmap(lambda v: over(level + 1, {**fixed, name: v}))(pts)
+        return jnp.sum(jax.vmap(lambda wj: _weight_for(wj, f.batch_shape))(w) * vals, 0)
+
+    return jnp.sum(over(0, {}))

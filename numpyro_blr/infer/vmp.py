@@ -44,7 +44,14 @@ from numpyro_blr.core import check_positive, select
 from numpyro_blr.estimators import gaussian as gaussian_estimators
 from numpyro_blr.estimators import implicit
 from numpyro_blr.families import Bernoulli, Categorical, FullGaussian
-from numpyro_blr.infer.expectations import check, expected_factor, reference_values, site_rules
+from numpyro_blr.infer.expectations import (
+    check,
+    expected_factor,
+    find_projection,
+    projected_factor,
+    reference_values,
+    site_rules,
+)
 from numpyro_blr.infer.graph import Graph, ModelError, NonConjugateError
 from numpyro_blr.rules.blr import gaussian_update
 
@@ -144,7 +151,7 @@ class _Engine:
             lr = check_positive(lr, "lr")
             if lr > 1.0:
                 raise ValueError(f"{name}: lr must be in (0, 1], got {lr}.")
-        if estimator not in gaussian_estimators.METHODS:
+        if estimator not in gaussian_estimators.METHODS + ("projected",):
             raise ValueError(f"{name}: estimator must be one of {gaussian_estimators.METHODS}, got {estimator!r}.")
         self.name, self.lr, self.nc_lr, self.improved = name, lr, nc_lr, improved
         self.estimator, self.num_samples, self.point_steps = estimator, int(num_samples), int(point_steps)
@@ -200,6 +207,15 @@ class _Engine:
                     f"conditional in the prior's family: use numpyro_blr.infer.ncvmp (non-conjugate VMP: exact steps on "
                     f"the conjugate sites, the BLR's natural-gradient step on this one), or nb.BLR with SVI.")
         self.seed = seed
+        self.projected = {}
+        gauss_nc = [n for n, k in self.kind.items() if k == "nonconjugate" and graph.sites[n].kind == "gaussian"]
+        if nonconjugate and estimator == "projected" and gauss_nc:
+            for f in graph.factors.values():
+                sites = tuple(n for n in f.deps if n in gauss_nc)
+                if sites and f.name not in sites:
+                    spec = find_projection(graph, f, sites, prior, self.rtol)
+                    if spec is not None:
+                        self.projected[f.name] = (sites, spec)
 
     # --- init -------------------------------------------------------------------------------------
     def _prior(self, init=None):
@@ -261,8 +277,22 @@ class _Engine:
     def means(self, natural):
         return {n: s.expectation(natural[n]) for n, s in self.graph.sites.items()}
 
-    def expected(self, names, natural, mean, override=None):
-        """:math:`\\sum_f \\mathbb E_q[\\phi_f]` over the factors of the sites ``names``."""
+    def gaussian_moments(self, n, natural):
+        """A Gaussian site's block mean and covariance Cholesky factor (element layout)."""
+        mean, precision = FullGaussian.from_natural(natural[n])
+        return mean, jnp.linalg.cholesky(jnp.linalg.inv(precision))
+
+    def factor_expectation(self, f, rules, refs, natural, gauss=None):
+        if f.name in self.projected:
+            sites, spec = self.projected[f.name]
+            gauss = dict(gauss or {})
+            moments = {s: gauss[s] if s in gauss else self.gaussian_moments(s, natural) for s in sites}
+            return projected_factor(self.graph, f, spec, moments, rules, refs)
+        return expected_factor(self.graph, f, rules, refs)
+
+    def expected(self, names, natural, mean, override=None, gauss=None):
+        """:math:`\\sum_f \\mathbb E_q[\\phi_f]` over the factors of the sites ``names`` (``override``: site -> a
+        quadrature rule to use instead of its own; ``gauss``: site -> (mean, scale_tril) for projected factors)."""
         graph = self.graph
         fs = {f.name: f for n in names for f in graph.factors_of(n)}
         deps = sorted({d for f in fs.values() for d in f.deps}, key=list(graph.sites).index)
@@ -270,7 +300,8 @@ class _Engine:
         if override:
             rules.update(override)
         refs = reference_values(graph, natural)
-        return sum((expected_factor(graph, f, rules, refs) for f in fs.values()), jnp.zeros((), self.float_dtype))
+        return sum((self.factor_expectation(f, rules, refs, natural, gauss) for f in fs.values()),
+                   jnp.zeros((), self.float_dtype))
 
     def message(self, n, natural, mean):
         r""":math:`\hat\eta_n = \nabla_{\mu_n}\mathbb E_q[\log p] / s_n` (the family's expectation NamedTuple), with
@@ -285,7 +316,7 @@ class _Engine:
         mean = self.means(natural)
         rules = site_rules(graph, natural, mean)
         refs = reference_values(graph, natural)
-        per_factor = {f: expected_factor(graph, fac, rules, refs) for f, fac in graph.factors.items()}
+        per_factor = {f: self.factor_expectation(fac, rules, refs, natural) for f, fac in graph.factors.items()}
         entropies = {n: s.scale * s.entropy(natural[n]) for n, s in graph.sites.items()}
         total = sum(per_factor.values(), jnp.zeros((), self.float_dtype)) + sum(entropies.values(), jnp.zeros((), self.float_dtype))
         return total, per_factor, entropies
@@ -334,14 +365,34 @@ class _Engine:
 
     def update_nonconjugate(self, n, natural, mean, key, lr):
         s = self.graph.sites[n]
+        if s.kind == "gaussian" and self.estimator == "projected":
+            loc, precision = FullGaussian.from_natural(natural[n])
+            cov = jnp.linalg.inv(precision)
+
+            def loss(m, c):
+                c = 0.5 * (c + jnp.swapaxes(c, -1, -2))
+                expectation = FullGaussian.Expectation(m, c + m[..., :, None] * m[..., None, :])
+                rule = s.points(None, expectation)
+                chol = jnp.linalg.cholesky(c)
+                return -self.expected([n], natural, mean, override={n: rule}, gauss={n: (m, chol)}) / s.scale
+
+            g, g_cov = jax.grad(loss, argnums=(0, 1))(loc, cov)
+            h = g_cov + jnp.swapaxes(g_cov, -1, -2)  # Price: E[hessian] = 2 d E / d Sigma (symmetric)
+            flat = loc.reshape((-1, loc.shape[-1])), precision.reshape((-1,) + precision.shape[-2:])
+            g, h = g.reshape(flat[0].shape), h.reshape(flat[1].shape)
+            new_loc, new_prec = jax.vmap(lambda m, p, gg, hh: gaussian_update(m, p, gg, hh, lr, self.improved))(*flat, g, h)
+            return FullGaussian.to_natural(new_loc.reshape(loc.shape), new_prec.reshape(precision.shape))
         if s.kind == "gaussian":
             loc, precision = FullGaussian.from_natural(natural[n])
 
             def loss(zb):
                 value = s.to_value(zb[None])[0]
                 one = (value[None], jnp.ones((1,), self.float_dtype))
-                return -self.expected([n], natural, mean, override={n: one}) / s.scale
+                zero = (zb, jnp.zeros(zb.shape + zb.shape[-1:], zb.dtype))
+                return -self.expected([n], natural, mean, override={n: one}, gauss={n: zero}) / s.scale
 
+            if key is None:  # the same draws every sweep: a deterministic sample-average approximation
+                key = jax.random.fold_in(jax.random.PRNGKey(self.seed), self.order.index(n))
             est = gaussian_estimators.estimate(loss, loc, precision, self.estimator, key, self.num_samples)
             flat = loc.reshape((-1, loc.shape[-1])), precision.reshape((-1,) + precision.shape[-2:])
             g, h = est.grad.reshape(flat[0].shape), est.hessian.reshape(flat[1].shape)
@@ -530,7 +581,7 @@ def vmp(model, *args, lr=1.0, order=None, check=True, rtol=None, **kwargs):
     return engine.algorithm({"rule": "blr", "lr": lr, "family": "exponential family per site", "estimator": "exact"})
 
 
-def ncvmp(model, *args, lr=1.0, order=None, estimator="cubature", num_samples=8, nonconjugate_lr=1.0,
+def ncvmp(model, *args, lr=1.0, order=None, estimator="projected", num_samples=8, nonconjugate_lr=1.0,
           improved="one-sided", rtol=None, **kwargs):
     r"""Non-conjugate VMP (conjugate-computation VI, Khan & Lin 2017): exact :math:`\rho` = ``lr`` steps on the
     conjugate sites, the BLR's natural-gradient step with :math:`\rho` = ``nonconjugate_lr`` on the others.
