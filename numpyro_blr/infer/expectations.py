@@ -303,7 +303,8 @@ def check(graph, natural, rtol, sites=None, seed=0):
     r"""Test every factor's exactness conditions (module docstring) at random values near ``q`` (``natural``).
 
     Returns a list of failures ``(kind, factor, site, error)``: ``kind`` is ``"conjugacy"`` (the factor is not
-    affine in the site's statistics: the site's complete conditional is not in its family), ``"elements"``
+    affine in the site's statistics: the site's complete conditional is not in its family), ``"nonfinite"`` (the
+    factor is not finite at values of the site near ``q``), ``"elements"``
     (elements of the site interact in the factor) or ``"shrunk"`` (the factor's shrunk evaluation disagrees
     with its full one; the factor is switched to the full path rather than reported). ``sites`` limits the
     conjugacy tests to those sites.
@@ -369,7 +370,9 @@ def check(graph, natural, rtol, sites=None, seed=0):
                 num = np.abs(pb - pa_ - pb_ + p0)
                 den = 1.0 + np.abs(pb) + np.abs(pa_) + np.abs(pb_) + np.abs(p0)
             err = num / den
-            err = np.where(np.isfinite(err), err, np.inf)
+            if not np.all(np.isfinite(err)):
+                failures.append(("nonfinite", f.name, d, math.inf))
+                continue
             worst = float(np.max(err)) if err.size else 0.0
             if worst > rtol:
                 failures.append(("conjugacy" if kind != "mixed" else "elements", f.name, d, worst))

@@ -344,11 +344,13 @@ class Graph:
     """The factor graph of ``model(*args, **kwargs)`` (see the module docstring).
 
     ``point``: latent site names to be point estimates (EM); ``plates``: ``{plate name: indices}`` to
-    substitute (stochastic VI's minibatch), other subsampled plates get all their indices.
+    substitute (stochastic VI's minibatch), other subsampled plates get all their indices (unless
+    ``full_plates=False``: then they subsample as the model says).
     """
 
-    def __init__(self, model, args=(), kwargs=None, point=(), plates=None):
+    def __init__(self, model, args=(), kwargs=None, point=(), plates=None, full_plates=True):
         self.model, self.args, self.kwargs = model, tuple(args), dict(kwargs or {})
+        self.full_plates = full_plates
         self.point = tuple(point)
         self.plate_values = dict(plates or {})
         self.float_dtype = jnp.result_type(float)
@@ -448,7 +450,7 @@ class Graph:
                 size, sub = msg["args"]
                 if msg["name"] in plate_values:
                     return plate_values[msg["name"]]
-                if sub is not None and sub != size:
+                if sub is not None and sub != size and self.full_plates:
                     return jnp.arange(size)
             return None
 

@@ -38,7 +38,7 @@ class _Stochastic(_Engine):
     def __init__(self, model, args, kwargs, *, kappa, tau, local_steps, order, check_model, rtol):
         from numpyro_blr.infer.graph import Graph
 
-        graph = Graph(model, args, kwargs)
+        graph = Graph(model, args, kwargs, full_plates=False)
         if not graph.subsampled:
             raise ModelError(
                 "svi: no numpyro.plate of the model declares subsample_size, so a minibatch would count as the whole "
@@ -55,7 +55,7 @@ class _Stochastic(_Engine):
         self.globals = [n for n in self.order if n not in self.local]
         self.local_order = [n for n in self.order if n in self.local]
         for f in g.factors.values():
-            if f.observed and self.plate not in f.plates and self.batch_size in f.batch_shape:
+            if f.observed and self.plate not in f.plates and self.batch_size in f.batch_shape + f.event_shape:
                 raise ModelError(
                     f"svi: observed site '{f.name}' has an axis of the minibatch size {self.batch_size} but is not inside "
                     f"the subsampled plate '{self.plate}', so its log density is not scaled by N/B = "

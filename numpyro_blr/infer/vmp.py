@@ -200,9 +200,15 @@ class _Engine:
                 if nonconjugate and s.kind != "point":
                     self.kind[n] = "nonconjugate"
                     continue
+                if kind == "nonfinite":
+                    raise ModelError(
+                        f"factor '{f}' is not finite at values of {s.describe()} near its initial q (its prior): the "
+                        "log density overflows or leaves its support there. Check the factor's scales (a zero "
+                        "standard deviation?) and the prior's, or use numpyro_blr.infer.ncvmp if the factor is not "
+                        "conjugate.")
                 raise NonConjugateError(
                     f"{s.describe()} is not conjugate: the log joint is not linear in its sufficient statistics given "
-                    f"the other sites (factor '{f}' breaks it; relative interpolation error {err:.2e}), so its complete "
+                    f"the other sites (factor '{f}' breaks it; relative error of the linearity test {err:.2e}), so its complete "
                     f"conditional is not {s.info.label if s.info else 'a point'}. Exact VMP needs every complete "
                     f"conditional in the prior's family: use numpyro_blr.infer.ncvmp (non-conjugate VMP: exact steps on "
                     f"the conjugate sites, the BLR's natural-gradient step on this one), or nb.BLR with SVI.")
@@ -581,21 +587,30 @@ def vmp(model, *args, lr=1.0, order=None, check=True, rtol=None, **kwargs):
     return engine.algorithm({"rule": "blr", "lr": lr, "family": "exponential family per site", "estimator": "exact"})
 
 
-def ncvmp(model, *args, lr=1.0, order=None, estimator="projected", num_samples=8, nonconjugate_lr=1.0,
+def ncvmp(model, *args, lr=1.0, order=None, estimator="projected", num_samples=256, nonconjugate_lr=1.0,
           improved="one-sided", rtol=None, **kwargs):
-    r"""Non-conjugate VMP (conjugate-computation VI, Khan & Lin 2017): exact :math:`\rho` = ``lr`` steps on the
-    conjugate sites, the BLR's natural-gradient step with :math:`\rho` = ``nonconjugate_lr`` on the others.
+    r"""Non-conjugate VMP (Knowles & Minka 2011; conjugate-computation VI, Khan & Lin 2017): exact :math:`\rho` = ``lr``
+    steps on the conjugate sites, the BLR's natural-gradient step with :math:`\rho` = ``nonconjugate_lr`` on the others.
 
     A site is non-conjugate when a factor breaks the linearity test of :func:`vmp` (a logistic or Poisson link, a
     Student-t likelihood). A Gaussian one takes :func:`numpyro_blr.rules.blr.gaussian_update` (positivity rule
-    ``improved``) on :math:`(\mathbb E_q[\nabla\ell], \mathbb E_q[\nabla^2\ell])` of its expected log factors, by
-    ``estimator`` (:mod:`numpyro_blr.estimators.gaussian`: ``"cubature"``, deterministic, the default;
-    ``"delta"``; ``"autodiff"``/``"reparam"``, Monte Carlo with ``num_samples`` draws per step, for which
-    ``nonconjugate_lr`` should decay, e.g. ``lambda t: (t + 1.0) ** -0.7``); a Gamma, Beta or Dirichlet one its
-    family's improved ``blr_update`` on an implicit-reparameterisation estimate from ``num_samples`` draws.
-    Expectations of non-conjugate factors (in the ELBO, in other sites' messages) use the sites' quadrature
-    rules, exact for conjugate factors and the cubature approximation for the others.
-    ``step(key, state)`` needs a key for the Monte Carlo estimators.
+    ``improved``) on :math:`\hat g = \mathbb E_q[\nabla\ell]`, :math:`\hat H = \mathbb E_q[\nabla^2\ell]` of its expected
+    log factors, by ``estimator``:
+
+    * ``"projected"`` (default): a factor that reads the site through one parameter of an elementwise distribution,
+      affine after an identity/log/logit link (a GLM's linear predictor, a Student-t location), is integrated along
+      that parameter by Gauss-Hermite (:func:`.expectations.projected_factor`), and
+      :math:`\hat g = \nabla_m`, :math:`\hat H = 2\nabla_\Sigma` of the expectation (Bonnet/Price); other factors by the
+      site's cubature rule. Deterministic: a fit converges to a tolerance.
+    * ``"cubature"``, ``"delta"``, ``"autodiff"``, ``"reparam"``: :mod:`numpyro_blr.estimators.gaussian` on the expected
+      log factors as a function of the value; the Monte Carlo ones draw ``num_samples`` values, the same ones every
+      sweep when ``step`` gets no key (a deterministic sample-average approximation), fresh ones with a key (then
+      let ``nonconjugate_lr`` decay, e.g. ``lambda t: (t + 1.0) ** -0.7``).
+
+    A Gamma, Beta or Dirichlet one takes its family's improved ``blr_update`` on an implicit-reparameterisation
+    estimate (:mod:`numpyro_blr.estimators.implicit`) from ``num_samples`` draws (fixed without a key).
+    Expectations of non-conjugate factors elsewhere (the ELBO, other sites' messages) use the projection where it
+    applies and the sites' quadrature rules otherwise (exact for conjugate factors).
     """
     engine = _Engine(model, args, kwargs, lr=lr, order=order, rtol=rtol, nonconjugate=True, estimator=estimator,
                      num_samples=num_samples, nc_lr=nonconjugate_lr, improved=improved, name="ncvmp")
