@@ -304,27 +304,32 @@ def check(graph, natural, rtol, sites=None, seed=0):
 
     Returns a list of failures ``(kind, factor, site, error)``: ``kind`` is ``"conjugacy"`` (the factor is not
     affine in the site's statistics: the site's complete conditional is not in its family), ``"nonfinite"`` (the
-    factor is not finite at values of the site near ``q``), ``"elements"``
-    (elements of the site interact in the factor) or ``"shrunk"`` (the factor's shrunk evaluation disagrees
-    with its full one; the factor is switched to the full path rather than reported). ``sites`` limits the
-    conjugacy tests to those sites.
+    factor is not finite at values of the site near ``q``) or ``"elements"`` (elements of the site interact in
+    the factor). A shrunk factor whose shrunk evaluation disagrees with its full one is switched to the full path
+    rather than reported. ``sites`` limits the conjugacy tests to those sites. Every test of every factor runs in
+    one compiled function, each reduced to its largest relative error there.
     """
     rng = np.random.default_rng(seed)
     failures = []
     summary = _summaries(graph, natural)
     refs = {n: jnp.asarray(v[0]) for n, v in summary.items()}
+    plans = {}  # factor -> (base values, {site: stacked values of the site}, jobs)
+    shrunk = {}  # factor -> [(local test values, global point indices)] x 2
     for f in graph.factors.values():
         deps = [d for d in f.deps if graph.sites[d].kind != "point"]
         if not deps:
             continue
         base = {d: _test_value(graph.sites[d], summary[d], rng) for d in deps}
-        configs, jobs = [], []
+        varied, jobs = {}, []
 
-        def add(values):
-            configs.append({**base, **values})
-            return len(configs) - 1
+        def add(d, value):
+            """One configuration: ``d`` at ``value``, the others at ``base`` (``value`` None: the base itself)."""
+            if value is None:
+                return ("base", 0)
+            varied.setdefault(d, []).append(np.asarray(value))
+            return (d, len(varied[d]) - 1)
 
-        i0 = add({})
+        i0 = add(None, None)
         for d in deps:
             s = graph.sites[d]
             if s.discrete or (sites is not None and d not in sites):
@@ -333,11 +338,11 @@ def check(graph, natural, rtol, sites=None, seed=0):
                 for _ in range(2):
                     u = _gaussian_direction(s, summary[d], rng)
                     x = np.asarray(base[d])
-                    idx = [add({d: (x + h * u).astype(s.dtype)}) for h in (2.0, 1.0, -1.0)]
-                    jobs.append(("third", d, idx + [i0]))
+                    idx = [add(d, (x + h * u).astype(s.dtype)) for h in (2.0, 1.0, -1.0)]
+                    jobs.append(("third", d, idx + [i0], None))
             else:
                 values, design, _ = _design(s, rng, base[d])
-                jobs.append(("affine", d, [add({d: v}) for v in values], design))
+                jobs.append(("affine", d, [add(d, v) for v in values], design))
             if s.num_elements > 1 and not graph.is_local(d, f):
                 if s.discrete:
                     failures.append(("elements", f.name, d, math.inf))
@@ -345,84 +350,97 @@ def check(graph, natural, rtol, sites=None, seed=0):
                 other = _test_value(s, summary[d], rng)
                 split = _element_split(s, rng)
                 x0, x1 = np.asarray(base[d]), np.asarray(other)
-                both = add({d: x1.astype(s.dtype)})
-                a = add({d: np.where(split, x1, x0).astype(s.dtype)})
-                b = add({d: np.where(split, x0, x1).astype(s.dtype)})
-                jobs.append(("mixed", d, [both, a, b, i0]))
-        values = {n: np.stack([np.asarray(c[n]) for c in configs]) for n in deps}
-        others = {n: v for n, v in refs.items() if n not in deps}
-        fn = graph.jit(lambda v, o: jax.vmap(lambda x: graph.log_prob(f.name, {**o, **x}))(v))
-        phi = np.asarray(fn(values, others), np.float64).reshape(len(configs), -1)
-        for job in jobs:
-            kind, d = job[0], job[1]
-            if kind == "third":
-                p2, p1, pm, p0 = (phi[i] for i in job[2])
-                num = np.abs(p2 - 3 * p1 + 3 * p0 - pm)
-                den = 1.0 + np.abs(p2) + 3 * np.abs(p1) + 3 * np.abs(p0) + np.abs(pm)
-            elif kind == "affine":
-                y = phi[job[2]]
-                design = job[3]
-                coef = np.linalg.pinv(design) @ np.where(np.isfinite(y), y, 0.0)
-                num = np.max(np.abs(design @ coef - y), 0)
-                den = 1.0 + np.max(np.abs(y), 0)
-            else:
-                pb, pa_, pb_, p0 = (phi[i] for i in job[2])
-                num = np.abs(pb - pa_ - pb_ + p0)
-                den = 1.0 + np.abs(pb) + np.abs(pa_) + np.abs(pb_) + np.abs(p0)
-            err = num / den
-            if not np.all(np.isfinite(err)):
-                failures.append(("nonfinite", f.name, d, math.inf))
-                continue
-            worst = float(np.max(err)) if err.size else 0.0
-            if worst > rtol:
-                failures.append(("conjugacy" if kind != "mixed" else "elements", f.name, d, worst))
+                both = add(d, x1.astype(s.dtype))
+                a = add(d, np.where(split, x1, x0).astype(s.dtype))
+                b = add(d, np.where(split, x0, x1).astype(s.dtype))
+                jobs.append(("mixed", d, [both, a, b, i0], None))
+        if jobs:
+            plans[f.name] = (base, {d: np.stack(v) for d, v in varied.items()}, jobs)
         if f.path == "shrunk":
-            err = _check_shrunk(graph, f, natural, refs, summary, rng)
-            if not err <= rtol:
-                f.path = "full"
+            shrunk[f.name] = [({n: _test_value(graph.sites[n], summary[n], rng) for n in f.local},
+                               {d: int(rng.integers(0, 1 << 30)) for d in f.deps if d not in f.local}) for _ in range(2)]
+
+    def job_error(phi, kind, idx, design):
+        """``phi``: {group: factor values per configuration of the group}; ``idx``: (group, index) pairs."""
+        if kind == "affine":
+            idx = [phi[g][i] for g, i in idx]
+            y = jnp.stack(idx)
+            hat = jnp.asarray(design @ np.linalg.pinv(design), y.dtype)  # the least-squares projection
+            num = jnp.max(jnp.abs(jnp.tensordot(hat, y, 1) - y), 0)
+            den = 1.0 + jnp.max(jnp.abs(y), 0)
+            err = num / den
+            return jnp.where(jnp.all(jnp.isfinite(err)), jnp.max(err, initial=0.0), jnp.inf)
+        phi = [phi[g][i] for g, i in idx]
+        idx = range(4)
+        if kind == "third":
+            p2, p1, pm, p0 = (phi[i] for i in idx)
+            num = jnp.abs(p2 - 3 * p1 + 3 * p0 - pm)
+            den = 1.0 + jnp.abs(p2) + 3 * jnp.abs(p1) + 3 * jnp.abs(p0) + jnp.abs(pm)
+        else:
+            pb, pa_, pb_, p0 = (phi[i] for i in idx)
+            num = jnp.abs(pb - pa_ - pb_ + p0)
+            den = 1.0 + jnp.abs(pb) + jnp.abs(pa_) + jnp.abs(pb_) + jnp.abs(p0)
+        err = num / den
+        return jnp.where(jnp.all(jnp.isfinite(err)), jnp.max(err, initial=0.0), jnp.inf)
+
+    def evaluate(values, refs, natural, locals_):
+        out = {}
+        for name, (_, _, jobs) in plans.items():
+            base, varied = values[name]
+            at = {**refs, **base}
+            phi = {"base": graph.log_prob(name, at)[None]}
+            for d, stacked in varied.items():
+                phi[d] = jax.vmap(lambda x, d=d: graph.log_prob(name, {**at, d: x}))(stacked)
+            out[name] = jnp.stack([job_error(phi, kind, idx, design) for kind, _, idx, design in jobs])
+        for name, trials in shrunk.items():
+            f = graph.factors[name]
+            out["shrunk:" + name] = jnp.stack([_shrunk_error(graph, f, natural, refs, loc, picks)
+                                               for loc, (_, picks) in zip(locals_[name], trials)])
+        return out
+
+    values = {name: (plan[0], plan[1]) for name, plan in plans.items()}
+    locals_ = {name: [t[0] for t in trials] for name, trials in shrunk.items()}
+    errors = jax.tree.map(np.asarray, graph.jit(evaluate)(values, refs, natural, locals_))
+    for name, (_, _, jobs) in plans.items():
+        for (kind, d, _, _), worst in zip(jobs, errors[name]):
+            worst = float(worst)
+            if not np.isfinite(worst):
+                failures.append(("nonfinite", name, d, math.inf))
+            elif worst > rtol:
+                failures.append(("conjugacy" if kind != "mixed" else "elements", name, d, worst))
+    for name in shrunk:
+        if not float(np.max(errors["shrunk:" + name])) <= rtol:
+            graph.factors[name].path = "full"
     return failures
 
 
-def _check_shrunk(graph, f, natural, refs, summary, rng):
-    """Largest relative difference between a shrunk factor and its full evaluation, per local element, at two
-    random configurations (local sites at random values, global sites at one of their points)."""
-    def points(natural):
-        mean = {n: graph.sites[n].expectation(natural[n]) for n in f.deps}
-        return {n: r[0] for n, r in site_rules(graph, natural, mean, f.deps).items()}
-
-    pts = jax.jit(points)({n: natural[n] for n in f.deps})
-
-    def both(refs, glob, local_vals):
-        full = graph.log_prob(f.name, {**refs, **glob, **local_vals})
-        full = _flatten_local(full, f, None).sum(-1)
-        # the shrunk formula with the global sites at one point (weight 1) and one-hot local probabilities
-        one = {d: (glob[d][None], jnp.ones((1,), graph.float_dtype)) for d in glob}
-        for n in f.local:
-            s = graph.sites[n]
-            k = s.num_categories if s.kind == "categorical" else 2
-            onehot = jax.nn.one_hot(local_vals[n].astype(jnp.int32), k, dtype=graph.float_dtype)
-            one[n] = (None, jnp.moveaxis(onehot, -1, 0))
-        weight, msg = _factor_weight(graph, f, refs)
-        r = _local_weights(graph, f, one)
-        table = _shrunk_table(graph, f, one, refs)
-        if f.observed:
-            eta, a = table
-            _, _, statistics = exponential_form(unwrap(msg["fn"]))
-            t = jnp.concatenate([_flatten_local(x, f, None) for x in statistics(msg["value"])], -1)
-            per = weight * jnp.sum(r * (t @ eta.T - a), -1)
-        else:
-            per = weight * (r @ table)
-        return per, full
-
-    fn = graph.jit(both)
-    worst = 0.0
-    for _ in range(2):
-        local_vals = {n: _test_value(graph.sites[n], summary[n], rng) for n in f.local}
-        glob = {d: pts[d][int(rng.integers(0, pts[d].shape[0]))] for d in f.deps if d not in f.local}
-        per, full = (np.asarray(x, np.float64) for x in fn(refs, glob, local_vals))
-        err = np.abs(per - full) / (1.0 + np.abs(full))
-        worst = max(worst, float(np.max(err)) if err.size else 0.0)
-    return worst if np.isfinite(worst) else math.inf
+def _shrunk_error(graph, f, natural, refs, local_vals, picks):
+    """Largest relative difference between a shrunk factor and its full evaluation, per local element, at one
+    configuration: the local sites at random values, each global site at one of its quadrature points."""
+    mean = {n: graph.sites[n].expectation(natural[n]) for n in f.deps}
+    rules = site_rules(graph, natural, mean, f.deps)
+    glob = {d: rules[d][0][picks[d] % rules[d][0].shape[0]] for d in picks}
+    full = graph.log_prob(f.name, {**refs, **glob, **local_vals})
+    full = _flatten_local(full, f, None).sum(-1)
+    # the shrunk formula with the global sites at one point (weight 1) and one-hot local probabilities
+    one = {d: (glob[d][None], jnp.ones((1,), graph.float_dtype)) for d in glob}
+    for n in f.local:
+        s = graph.sites[n]
+        k = s.num_categories if s.kind == "categorical" else 2
+        onehot = jax.nn.one_hot(jnp.asarray(local_vals[n]).astype(jnp.int32), k, dtype=graph.float_dtype)
+        one[n] = (None, jnp.moveaxis(onehot, -1, 0))
+    weight, msg = _factor_weight(graph, f, refs)
+    r = _local_weights(graph, f, one)
+    table = _shrunk_table(graph, f, one, refs)
+    if f.observed:
+        eta, a = table
+        _, _, statistics = exponential_form(unwrap(msg["fn"]))
+        t = jnp.concatenate([_flatten_local(x, f, None) for x in statistics(msg["value"])], -1)
+        per = weight * jnp.sum(r * (t @ eta.T - a), -1)
+    else:
+        per = weight * (r @ table)
+    err = jnp.abs(per - full) / (1.0 + jnp.abs(full))
+    return jnp.where(jnp.all(jnp.isfinite(err)), jnp.max(err, initial=0.0), jnp.inf)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -133,7 +133,7 @@ import os
 
 #: below this many data values a sweep is compiled with cheap XLA backend optimisation: compile time dominates
 #: small fits (about 1.3-2x faster compiles), and large ones run about 2x faster fully optimised
-FAST_COMPILE_BELOW = 2**18
+FAST_COMPILE_BELOW = 2**12
 _FAST = {"compiler_options": {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}}
 
 
