@@ -14,7 +14,20 @@ from numpyro_blr.infer import conjugate_fit
 from numpyro_blr.layout import GuideLayoutError, read_layout
 from numpyro_blr.optim import BLR, BLRState, FitTrace, adaptive_decay, harmonic_decay, nonfinite_parameters
 from numpyro_blr.report import FitReport, fit_report
-from numpyro_blr.presets import bayesbinn, gradient_descent, laplace, mixture_blr, multimodal_optimization, newton, von
+from numpyro_blr.presets import (
+    bayesbinn,
+    gradient_descent,
+    laplace,
+    lie_additive,
+    lie_affine,
+    lie_multiplicative,
+    mixture_blr,
+    multimodal_optimization,
+    newton,
+    von,
+)
+from numpyro_blr.liegroup_guide import LieGroupBLR, LieGroupGuide
+from numpyro_blr.rules.liegroup import Rayleigh
 from numpyro_blr.rules.diagonal import as_optax, perturbed
 from numpyro_blr.core import Algorithm, StepInfo, predictive
 
@@ -26,6 +39,12 @@ __all__ = [
     "perturbed",
     "predictive",
     "ExpFamilyGuide",
+    "LieGroupBLR",
+    "LieGroupGuide",
+    "Rayleigh",
+    "lie_additive",
+    "lie_affine",
+    "lie_multiplicative",
     "IVON",
     "adam_blr",
     "bsam",

@@ -14,9 +14,12 @@ precision grows and the improved-BLR step of Lin, Schmidt & Khan 2020 where it s
 Robust defaults, for models nobody tuned the optimizer on:
 
 * the step size :class:`adaptive_decay` stays at :math:`\rho_0` while successive steps agree
-  (the fit is travelling) and decays like :math:`1/t` once they are Monte Carlo noise, so
-  curvature estimates taken far from the posterior (from NumPyro's random initialisation, on
-  unstandardised data) are forgotten geometrically rather than polynomially;
+  (the fit is travelling), so curvature estimates taken far from the posterior (from NumPyro's
+  random initialisation, on unstandardised data) are forgotten geometrically rather than
+  polynomially; once the steps are Monte Carlo noise the Gaussian blocks step with
+  :math:`\rho \propto t^{-1/2}` and the guide returned is the average of the iterates with weight
+  :math:`\propto 1/t` (Polyak-Ruppert averaging), which removes the noise without slowing the
+  fit where the fixed-point iteration contracts slowly (funnels, heavy-tailed scales);
 * mean-field guides with the exact Hessian take their mean step with the dense precision across
   their blocks (``_joint_mean_step``), a Newton step rather than a damped Jacobi iteration on a
   correlated posterior; their family and fixed point are unchanged;
@@ -85,32 +88,63 @@ def harmonic_decay(init_value=0.5, halving_steps=10):
 
 
 class adaptive_decay:  # noqa: N801 - used like a schedule function
-    r"""The default step size: :func:`harmonic_decay` on a clock that only counts noise-dominated steps.
+    r"""The default step size: a Robbins-Monro decay on a clock that only counts noise-dominated steps,
+    with iterate averaging (Polyak & Juditsky 1992).
 
-    :math:`\rho = \rho_0 / (1 + c/\tau)`, where the clock :math:`c` advances at each step by
+    The clock :math:`c` advances at each step by
     :math:`\min(1, 2f)`, where :math:`f = \sum_j (-p_j)_+ / \sum_j |p_j|`, :math:`p_j = v_j v'_j` the
     products of the coordinates of the whitened step :math:`v` (:math:`L^\top\hat g` for the mean,
     :math:`\operatorname{diag}(L^\top \hat H L) - 1` for the precision) and of the previous one
     :math:`v'`: the size-weighted fraction of coordinates whose sign changed. This is Kesten's rule (Kesten 1958;
     multivariate: Delyon & Juditsky 1993): while the fit is still travelling, successive steps
-    point the same way (:math:`f \approx 0`) and :math:`\rho` stays at :math:`\rho_0`, so early
-    estimates taken far from the posterior are forgotten geometrically; once the steps are Monte
-    Carlo noise around the optimum, about half the signs change and :math:`\rho` decays like
-    :math:`\rho_0\tau/t`, which averages the noise away. A step with a non-finite loss, gradient
-    or update is skipped and halves :math:`\rho` (the clock jumps to :math:`2c + \tau`).
+    point the same way (:math:`f \approx 0`) and the clock stands still, so early estimates taken far
+    from the posterior are forgotten geometrically; once the steps are Monte Carlo noise around the
+    optimum, about half the signs change and the clock advances by about one per step.
+
+    With ``averaging=True`` (the default) the Gaussian blocks step with
+    :math:`\rho = \rho_0 / \sqrt{1 + c/\tau}` and the guide that :meth:`BLR.get_params` returns is the
+    exponential average of these iterates with weight :math:`\gamma = \rho_0 / (1 + c/\tau)`
+    (:meth:`__call__`), which decays like :math:`\rho_0\tau/t` and averages the Monte Carlo noise
+    away; the slower :math:`t^{-1/2}` decay of the iterate's own step keeps it moving along directions
+    where the fixed-point iteration contracts slowly (funnels, heavy-tailed scales), where a
+    :math:`\rho_0\tau/t` step would cover a distance growing only like :math:`\log t` (Bach & Moulines
+    2011: the :math:`t^{-1/2}` step with averaging is the choice robust to the conditioning).
+    With ``averaging=False`` every block steps with :math:`\gamma` itself and no average is kept
+    (the previous default). A step with a non-finite loss, gradient or update is skipped
+    and halves the iterate's step :math:`\rho` (the clock jumps so that
+    :math:`1 + c/\tau` is multiplied by :math:`2^{1/\kappa}`, :math:`\kappa` = ``power``).
     """
 
     adaptive = True
 
-    def __init__(self, init_value=0.5, halving_steps=10):
+    def __init__(self, init_value=0.5, halving_steps=10, averaging=True):
         self.init_value = _check_lr(init_value, "init_value")
         self.halving_steps = _check_lr(halving_steps, "halving_steps")
+        if not isinstance(averaging, (bool, np.bool_)):
+            raise ValueError(f"averaging must be True or False, got {averaging!r}.")
+        self.averaging = bool(averaging)
+        # exponent of the iterate's step: t^-1/2 with averaging, t^-1 (the weight itself) without
+        self.power = 0.5 if self.averaging else 1.0
 
     def __call__(self, clock):
+        r""":math:`\gamma = \rho_0/(1 + c/\tau)`: the averaging weight (the step itself without averaging)."""
         return self.init_value / (1.0 + clock / self.halving_steps)
 
+    def iterate(self, clock):
+        r""":math:`\rho = \rho_0/(1 + c/\tau)^\kappa`: the step of the averaged (Gaussian) blocks."""
+        if self.power == 1.0:
+            return self(clock)
+        return self.init_value * (1.0 + clock / self.halving_steps) ** -self.power
+
+    def skipped(self, clock):
+        r"""The clock after a skipped step: :math:`1 + c/\tau` times :math:`2^{1/\kappa}`, which halves
+        :meth:`iterate` (:math:`2c + \tau` without averaging, :math:`4c + 3\tau` with it)."""
+        factor = 2.0 ** (1.0 / self.power)
+        return factor * clock + (factor - 1.0) * self.halving_steps
+
     def __repr__(self):
-        return f"adaptive_decay({self.init_value}, {self.halving_steps})"
+        extra = "" if self.averaging else ", averaging=False"
+        return f"adaptive_decay({self.init_value}, {self.halving_steps}{extra})"
 
 
 class FitTrace(NamedTuple):
@@ -155,7 +189,8 @@ class FitTrace(NamedTuple):
 class BLRState(NamedTuple):
     """Optimizer state: fixed-shape arrays only, so ``SVI.run`` can ``lax.scan`` and resume exactly.
 
-    ``params``            unconstrained guide parameters (what ``get_params`` returns);
+    ``params``            unconstrained guide parameters, the iterate that the steps move (what
+                          ``get_params`` returns, unless ``average`` holds them);
     ``momentum``          heavy-ball average of the mean gradient, per loc;
     ``point_precision``   joint precision of all point-mass locs (delta method), ``(0, 0)`` if none;
     ``mean_scale_tril``   for diagonal guides with the exact Hessian: Cholesky factor of the inverse
@@ -163,7 +198,11 @@ class BLRState(NamedTuple):
     ``fallback_state``    the fallback optax optimizer's state;
     ``nonfinite``         per parameter, whether a non-finite gradient or update was ever met;
     ``nonfinite_steps``   how many steps were skipped for that reason;
-    ``trace``             :class:`FitTrace`, the evidence for the end-of-run report.
+    ``trace``             :class:`FitTrace`, the evidence for the end-of-run report;
+    ``average``           with :class:`adaptive_decay`'s averaging: per Gaussian block, the
+                          exponential averages of the iterates' mean (under the loc's name) and of
+                          their scale :math:`s` or Cholesky factor :math:`L` (under the scale's
+                          name, constrained), which ``get_params`` returns; else empty.
     """
 
     params: dict
@@ -174,6 +213,7 @@ class BLRState(NamedTuple):
     nonfinite: dict
     nonfinite_steps: jax.Array
     trace: FitTrace
+    average: dict
 
 
 def _check_lr(lr, name="lr"):
@@ -246,9 +286,12 @@ class BLR(_NumPyroOptim):
     r"""The Bayesian learning rule for Gaussian guides, as a NumPyro optimizer.
 
     :param lr: step size :math:`\rho` (float > 0, an optax schedule ``step -> rho``, or an
-        :class:`adaptive_decay`). Default: ``adaptive_decay(0.5, 10)``, :math:`0.5/(1 + c/10)` on a
-        clock :math:`c` that advances only while the steps are Monte Carlo noise (see
-        :meth:`default_lr` for sampled Hessians on full-covariance guides).
+        :class:`adaptive_decay`). Default: ``adaptive_decay(0.5, 10)``: on a clock :math:`c` that
+        advances only while the steps are Monte Carlo noise, the Gaussian blocks step with
+        :math:`0.5/\sqrt{1 + c/10}` and ``get_params`` returns the average of their iterates with
+        weight :math:`0.5/(1 + c/10)`; exponential-family and point-mass blocks step with
+        :math:`0.5/(1 + c/10)` (see :meth:`default_lr` for sampled Hessians on full-covariance
+        guides). A float or an optax schedule is used as given, for every block, with no average.
     :param hessian: how :math:`\mathbb{E}_q[\nabla^2\ell]` is estimated: ``"reparam"`` (Price/Stein,
         from the gradient w.r.t. the scale, with a same-noise baseline: two gradient passes),
         ``"price"`` (the plain one-pass Price estimator), ``"autodiff"`` (exact Hessian at the sample;
@@ -413,6 +456,24 @@ class BLR(_NumPyroOptim):
                 size += n * (2 if has_h else 1)
         return size
 
+    def _averaged(self, params, layout):
+        """The blocks whose iterates are averaged (:class:`adaptive_decay` with ``averaging=True``):
+        every Gaussian block (diagonal or full); none with another step size."""
+        if not getattr(self.schedule(params, layout), "averaging", False):
+            return ()
+        return tuple(b for b in layout.blocks if b.kind in (DIAGONAL, FULL))
+
+    @staticmethod
+    def _guide_moments(params, blocks):
+        r"""``{loc: m, scale: s or L}`` of ``blocks``: the mean and the scale or Cholesky factor of
+        :math:`z = m + L\varepsilon`, the form in which the iterates are averaged (averaging NumPyro's
+        raw scale_tril, a row-scaled unit-triangular factor, biases a near-singular covariance)."""
+        out = {}
+        for b in blocks:
+            out[b.loc] = params[b.loc]
+            out[b.scale] = b.transform(params[b.scale])
+        return out
+
     def init(self, params):
         layout = self.layout(params)
         dp = self._point_dim(params, layout) if self.point_hessian == "autodiff" else 0
@@ -442,6 +503,7 @@ class BLR(_NumPyroOptim):
             damped_recent=zero,
             damping=jnp.ones((), dtype),
         )
+        averaged = self._averaged(params, layout)
         state = BLRState(
             params=dict(params),
             momentum={b.loc: jnp.zeros_like(params[b.loc]) for b in layout.blocks},
@@ -451,14 +513,17 @@ class BLR(_NumPyroOptim):
             nonfinite={k: jnp.array(False) for k in params},
             nonfinite_steps=jnp.array(0, dtype=jnp.int32),
             trace=trace,
+            average=self._guide_moments(params, averaged),
         )
         return jnp.array(0), state
 
     def get_params(self, state):
-        """The guide's unconstrained parameters. Outside ``jit`` (``SVI.run`` calls this once at the
-        end of a run), warns about what :func:`numpyro_blr.fit_report` finds wrong (skipped steps,
-        divergence, a mean still travelling, a collapsed variance), naming the parameters concerned
-        and the change that fixes it; each problem once per run, however often this is called."""
+        """The guide's unconstrained parameters (with :class:`adaptive_decay`'s averaging, the Gaussian
+        blocks hold the average of the iterates' means and scales or Cholesky factors). Outside
+        ``jit`` (``SVI.run`` calls this once at the end of a run), warns about what
+        :func:`numpyro_blr.fit_report` finds wrong (skipped steps, divergence, a mean still
+        travelling, a collapsed variance), naming the parameters concerned and the change that fixes
+        it; each problem once per run, however often this is called."""
         i, s = state
         check_foreign_state(s, BLRState)
         if not isinstance(s.nonfinite_steps, jax.core.Tracer):
@@ -474,7 +539,13 @@ class BLR(_NumPyroOptim):
                         warnings.warn(message, RuntimeWarning, stacklevel=3)  # <- BLR.get_params <- SVI.get_params
                         self._reported.add(key)
             self._reported_step = step
-        return s.params
+        if not s.average:
+            return s.params
+        out = dict(s.params)
+        for b in self._averaged(s.params, self.layout(s.params)):
+            out[b.loc] = s.average[b.loc]
+            out[b.scale] = b.transform.inv(s.average[b.scale])
+        return out
 
     def update(self, g, state, value=None):
         raise TypeError(
@@ -528,6 +599,10 @@ class BLR(_NumPyroOptim):
         adaptive = getattr(schedule, "adaptive", False)
         dtype = s.trace.clock.dtype
         lr = jnp.asarray(self.step_size(i, params, layout, s.trace.clock), dtype=dtype)
+        gamma = lr  # the step of the blocks that are not averaged (exponential family, point masses)
+        averaging = bool(s.average)
+        if averaging:  # the averaged Gaussian blocks step with rho_0 / sqrt(1 + c/tau)
+            lr = jnp.asarray(schedule.iterate(s.trace.clock), dtype=dtype)
         new_params, new_mom = dict(params), dict(s.momentum)
         checked = {}  # parameter name -> arrays that must be finite for its update to be valid
         direction = {}  # block handle -> whitened step direction, for the adaptive step size
@@ -545,7 +620,7 @@ class BLR(_NumPyroOptim):
             if b.kind == EXPFAM:  # ExpFamilyGuide's Gamma/Beta/Dirichlet/Bernoulli/Categorical sites
                 key = jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(self.seed), i), j)
                 new = expfam_blocks.update_block(
-                    b, fn, params, grads, lr, self.improved != "plain", key,
+                    b, fn, params, grads, gamma, self.improved != "plain", key,
                     self.max_enumerate, self.score_samples,
                 )
                 new_params.update(new)
@@ -613,10 +688,10 @@ class BLR(_NumPyroOptim):
             else:
                 prec = s.point_precision
                 chol = jnp.linalg.cholesky(prec)
-                new_point_prec = full_precision_update(prec, None, points.h, lr, self.improved)
+                new_point_prec = full_precision_update(prec, None, points.h, gamma, self.improved)
                 step = jax.scipy.linalg.cho_solve((jnp.linalg.cholesky(new_point_prec), True), mbar)
                 u = solve_triangular(chol, points.g, lower=True)
-            flat_new = flat_m - lr * step
+            flat_new = flat_m - gamma * step
             start = 0
             for n in names:
                 size = params[n].size
@@ -652,8 +727,18 @@ class BLR(_NumPyroOptim):
         finite = {k: all_finite(arrs) for k, arrs in checked.items()}
         ok = loss_ok & functools.reduce(jnp.logical_and, finite.values(), jnp.array(True))
 
-        trace = self._next_trace(s.trace, i, ok, loss, lr, direction, whitened_grad, schedule if adaptive else None, damping)
-        new_state = BLRState(new_params, new_mom, new_point_prec, new_mean_tril, new_fb, s.nonfinite, s.nonfinite_steps, trace)
+        skipped = None
+        if adaptive:  # a skipped step halves the averaged blocks' rho (without averaging: the one step size)
+            skipped = schedule.skipped if averaging else (lambda c: 2.0 * c + schedule.halving_steps)
+        trace = self._next_trace(s.trace, i, ok, loss, lr, direction, whitened_grad, skipped, damping)
+        new_average = s.average
+        if averaging:  # Polyak-Ruppert: the exponential average of the iterates, weight rho_0 / (1 + c/tau)
+            weight = jnp.asarray(schedule(trace.clock), dtype=dtype)
+            target = self._guide_moments(new_params, self._averaged(params, layout))
+            new_average = {n: a + weight.astype(a.dtype) * (target[n] - a) for n, a in s.average.items()}
+        new_state = BLRState(
+            new_params, new_mom, new_point_prec, new_mean_tril, new_fb, s.nonfinite, s.nonfinite_steps, trace, new_average
+        )
         # Selections, not lax.cond: a conditional inside SVI.run's scan costs about 5 us per step
         # on CPU (as much as a whole Adam step on a small model), a select is fused for free.
         keep = lambda new, old: jax.tree_util.tree_map(lambda a, b: jnp.where(ok, a, b), new, old)  # noqa: E731
@@ -751,13 +836,14 @@ class BLR(_NumPyroOptim):
         return new_tril
 
     @staticmethod
-    def _next_trace(trace, i, ok, loss, lr, direction, whitened_grad, schedule, damping):
-        """The run's evidence after this step; with the adaptive step size, its clock too."""
+    def _next_trace(trace, i, ok, loss, lr, direction, whitened_grad, skipped, damping):
+        """The run's evidence after this step; with the adaptive step size (``skipped``: the clock
+        after a skipped step, as a function of the clock), its clock too."""
         short = damping < 1
         v = jnp.concatenate([direction[k] for k in sorted(direction)]) if direction else trace.direction
         v = v.astype(trace.direction.dtype)
         clock, halvings = trace.clock, trace.halvings
-        if schedule is not None:
+        if skipped is not None:
             # the fraction of the products of successive coordinates that are negative, weighted by
             # their size: one coordinate still travelling (a scale whose precision is far too high)
             # outweighs many that are noise, and a small bias in noisy coordinates only slows the clock
@@ -765,7 +851,7 @@ class BLR(_NumPyroOptim):
             total = jnp.sum(jnp.abs(products))
             changed = jnp.where(total > 0, jnp.sum(jnp.maximum(-products, 0.0)) / jnp.where(total > 0, total, 1.0), 1.0)
             advance = jnp.where(i > 0, jnp.minimum(1.0, 2.0 * changed), 0.0)
-            clock = jnp.where(ok, clock + advance, 2.0 * clock + schedule.halving_steps)
+            clock = jnp.where(ok, clock + advance, skipped(clock))
             halvings = halvings + jnp.where(ok, 0, 1).astype(halvings.dtype)
         first = jnp.isnan(trace.loss_avg)
         finite_loss = jnp.isfinite(loss)

@@ -14,6 +14,8 @@ optimization`
 ============================  ==========================  ===============================
 """
 
+import math
+
 import numpy as np
 
 from numpyro_blr.bayesbinn import BayesBiNNRule, bayesbinn_algorithm
@@ -239,3 +241,107 @@ def bayesbinn(lr, ess, temperature=1.0, beta=0.0, mc_samples=1, lam_init=10.0, l
                                           _count(mc_samples, "mc_samples"), check_positive(max_scale, "max_scale"))
     return bayesbinn_algorithm(estimator, rule, check_positive(lam_init, "lam_init", allow_zero=True),
                                check_positive(lam_std, "lam_std", allow_zero=True))
+
+
+# ----------------------------------------------------------------------------- Lie-group rows
+# The Lie-group BLR (Kiral, Moellenhoff & Khan 2023): a group acting on a base distribution q0
+# (numpyro_blr.rules.liegroup) x the reparameterisation estimator of its algebra gradient
+# (numpyro_blr.estimators.liegroup) x the exponential-map step. Same Algorithm shape as the rows above.
+
+
+def _noise_rng(noise_rng):
+    if noise_rng not in NOISE_RNG:
+        raise ValueError(f"noise_rng must be one of {NOISE_RNG}, got {noise_rng!r}.")
+    return noise_rng
+
+
+def lie_additive(lr, momentum=0.0, base=None, weight_decay=0.0, nesterov=False, mc_samples=1,
+                 noise_rng="hash") -> Algorithm:
+    r"""The additive Lie-group BLR (Kiral et al. 2023, Algorithm 1): :math:`\theta = w + \xi`, :math:`\xi \sim q_0`
+    fixed (``base``, e.g. ``dist.Normal(0, 1e-3)``; ``None``: a Dirac :math:`q_0`), and ``optax.sgd``'s step on
+    :math:`w` with the gradient at :math:`\theta` plus ``weight_decay`` :math:`\delta\theta`. With ``base=None``
+    it is ``optax.sgd(lr, momentum, nesterov)`` exactly. ``state.params`` is :math:`w + \mathbb E[\xi]`."""
+    from numpyro_blr.estimators import liegroup as est
+    from numpyro_blr.rules import liegroup as lie
+
+    lie.check_base(base, "lie_additive: base", "additive")
+    rule = lie.AdditiveRule(_lr(lr), check_fraction(momentum, "momentum"), bool(nesterov))
+    delta = check_positive(weight_decay, "weight_decay", allow_zero=True)
+    estimator = est.additive(base, delta, _count(mc_samples, "mc_samples"), _noise_rng(noise_rng))
+    mu = lie.base_mean(base)
+    return lie.liegroup_algorithm("additive", estimator, rule, lambda params: lie.init_additive(params, mu))
+
+
+def lie_multiplicative(lr, ess=None, base=None, momentum=0.9, temperature=1.0, weight_decay=0.0, signed=True,
+                       metric="fisher", init_offset=1e-5, clip_radius=float("inf"), mc_samples=1,
+                       noise_rng="hash") -> Algorithm:
+    r"""The multiplicative Lie-group BLR (Kiral et al. 2023, Algorithm 2): :math:`\theta = g_+\xi_+ - g_-\xi_-`
+    (``signed``, each weight excitatory or inhibitory; ``signed=False``: :math:`g\xi`, positive weights only),
+    :math:`\xi \sim q_0` positive (``base``, default :class:`~numpyro_blr.rules.liegroup.Rayleigh` (1)), and
+    :math:`g \leftarrow g\exp(-\rho M)` with :math:`M` the momentum (:math:`\beta` = ``momentum``) of the
+    algebra gradient in per-example units, :math:`(\mathbb E[\pm g\xi G] - T/N)/c`, :math:`N` = ``ess``,
+    :math:`T` = ``temperature`` (0: no entropy term), :math:`c` the Fisher ``metric`` of :math:`q_0` (4 for
+    Rayleigh). ``init``
+    puts :math:`\mathbb E_q[\theta]` at the given weights (:math:`g_\pm = \max(\pm w, 0)/\mathbb E[\xi]` plus
+    ``init_offset``); ``state.params`` is :math:`\mathbb E[\xi](g_+ - g_-)`. ``clip_radius`` :math:`r` bounds the
+    change of :math:`\log g` in one step (:math:`|\rho M| \le r`; default none, as in the paper): large steps of
+    the exponential map grow a weight by :math:`e^{\rho M}`, and the growth feeds back into :math:`M`."""
+    from numpyro_blr.estimators import liegroup as est
+    from numpyro_blr.rules import liegroup as lie
+
+    base = lie.Rayleigh() if base is None else base
+    lie.check_base(base, "lie_multiplicative: base", "multiplicative")
+    _, c = lie.resolve_metric(metric, base, "multiplicative")
+    rule = lie.MultiplicativeRule(_lr(lr), check_fraction(momentum, "momentum"), c,
+                                  check_positive(clip_radius, "clip_radius", allow_inf=True))
+    estimator = est.multiplicative(
+        base, _ess(ess), check_positive(temperature, "temperature", allow_zero=True),
+        check_positive(weight_decay, "weight_decay", allow_zero=True), _count(mc_samples, "mc_samples"),
+        bool(signed), _noise_rng(noise_rng),
+    )
+    mu = lie.base_mean(base)
+    init_offset = check_positive(init_offset, "init_offset")
+    return lie.liegroup_algorithm(
+        "multiplicative", estimator, rule, lambda params: lie.init_multiplicative(params, mu, bool(signed), init_offset)
+    )
+
+
+def lie_affine(lr, ess=None, scale_lr=None, base=None, scale_init=None, momentum=0.9, scale_momentum=0.999,
+               temperature=1.0, weight_decay=0.0, metric="fisher", clip_radius=float("inf"), mc_samples=1,
+               noise_rng="hash") -> Algorithm:
+    r"""The diagonal affine Lie-group BLR (Kiral et al. 2023, Algorithm 3): :math:`\theta = b + A\epsilon`,
+    :math:`\epsilon \sim q_0` (``base``, default ``dist.Normal(0, 1)``; any reparameterisable univariate
+    distribution: ``dist.StudentT(3.0)``, ``dist.Laplace()``, ...), and the closed-form exponential map
+    :math:`A \leftarrow A e^{-z}`, :math:`b \leftarrow b - \rho A M_b\varphi(z)`, :math:`z = \rho_A M_A`, with
+    momenta ``momentum`` (shift) and ``scale_momentum`` (scale) of the natural algebra gradient
+    :math:`X_b = \tfrac{N}{T}A\,\mathbb E[G]/c_b`, :math:`X_A = (\tfrac{N}{T}\mathbb E[A\epsilon G] - 1)/c_A`.
+    ``scale_lr`` :math:`\rho_A` defaults to ``lr``; ``scale_init`` :math:`A_0` (a number or a pytree like the
+    parameters, strictly positive) defaults to :math:`1/\sqrt N` (a per-example precision of 1 for a unit
+    :math:`q_0`). With a Gaussian :math:`q_0`, to first order in the step it is the diagonal Gaussian BLR
+    with step :math:`\rho`. ``state.params`` is :math:`b + A\,\mathbb E[\epsilon]`. ``clip_radius`` :math:`r` bounds
+    the change of :math:`\log A` in one step (default none, as in the paper)."""
+    import numpyro.distributions as dist
+
+    from numpyro_blr.estimators import liegroup as est
+    from numpyro_blr.rules import liegroup as lie
+
+    base = dist.Normal(0.0, 1.0) if base is None else base
+    lie.check_base(base, "lie_affine: base", "affine")
+    c_loc, c_scale = lie.resolve_metric(metric, base, "affine")
+    ess = _ess(ess)
+    rule = lie.AffineRule(
+        _lr(lr), _lr(lr if scale_lr is None else scale_lr), check_fraction(momentum, "momentum"),
+        check_fraction(scale_momentum, "scale_momentum"), c_loc, c_scale,
+        check_positive(clip_radius, "clip_radius", allow_inf=True),
+    )
+    estimator = est.affine(
+        base, ess, check_positive(temperature, "temperature"),
+        check_positive(weight_decay, "weight_decay", allow_zero=True), _count(mc_samples, "mc_samples"),
+        _noise_rng(noise_rng),
+    )
+    mu = lie.base_mean(base)
+    scale_init = ess**-0.5 if scale_init is None else scale_init
+    if isinstance(scale_init, (int, float)) and not isinstance(scale_init, bool):
+        if not (math.isfinite(float(scale_init)) and float(scale_init) > 0):
+            raise ValueError(f"lie_affine: scale_init must be strictly positive and finite, got {scale_init!r}.")
+    return lie.liegroup_algorithm("affine", estimator, rule, lambda params: lie.init_affine(params, scale_init, mu))

@@ -86,6 +86,7 @@ class GuideAlgorithm(NamedTuple):
     report: Callable = lambda state, optimizer: []
     check_layout: Callable = lambda layout, params, prefix: None
     read_layout: Any = None  # read_layout(params, optimizer) -> Layout, for guides of the algorithm's own
+    result: Any = None  # result(state, params) -> the parameters get_params returns (e.g. an average of iterates)
 
 
 class GuideOptimizer(_NumPyroOptim):
@@ -174,6 +175,8 @@ class GuideOptimizer(_NumPyroOptim):
         if not isinstance(s.skipped, jax.core.Tracer) and int(i):
             for _, message in self.algorithm.report((i, s), self):
                 warnings.warn(message, RuntimeWarning, stacklevel=3)  # <- get_params <- SVI.get_params
+        if self.algorithm.result is not None:
+            return self.algorithm.result(s.algorithm, s.params)
         return s.params
 
     def update(self, g, state, value=None):

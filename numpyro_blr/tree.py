@@ -174,3 +174,23 @@ def uniform_like(key, tree):
     tiny = float(jnp.finfo(dtype).tiny)
     flat = jax.random.uniform(key, (layout.size,), dtype, minval=tiny, maxval=1.0)
     return layout.unravel(jnp.minimum(flat, 1.0 - float(jnp.finfo(dtype).epsneg)))
+
+
+def hash_uniform(key, n, dtype=jnp.float32):
+    r"""``n`` uniforms strictly inside (0, 1) from ``key``, with :func:`hash_normal`'s counter hash: element ``j``
+    is :math:`(\lfloor a_j/2^9\rfloor + \tfrac12)/2^{23}`, :math:`a_j = \mathrm{mix}(\mathrm{mix}(j \oplus k_0) + k_1)`
+    (23-bit resolution: the extreme values :math:`2^{-24}` and :math:`1 - 2^{-24}` are float32 numbers, so an
+    inverse CDF of an unbounded :math:`q_0` stays finite). jit/vmap-able, pure, several times cheaper than
+    ``jax.random.uniform`` on CPU."""
+    n = int(n)
+    k = jax.random.bits(key, (2,), jnp.uint32)
+    a = _mix32(_mix32(lax.iota(jnp.uint32, n) ^ k[0]) + k[1])
+    return ((a >> 9).astype(jnp.float32) + np.float32(0.5)) * np.float32(2.0**-23)
+
+
+def uniform(key, n, dtype=jnp.float32, rng="hash"):
+    """``n`` uniforms strictly inside (0, 1): :func:`hash_uniform` (``rng='hash'``) or ``jax.random.uniform``."""
+    if rng == "hash":
+        return hash_uniform(key, n).astype(dtype)
+    info = jnp.finfo(dtype)
+    return jnp.clip(jax.random.uniform(key, (int(n),), dtype, minval=float(info.tiny), maxval=1.0), float(info.tiny), 1.0 - float(info.epsneg))

@@ -160,7 +160,7 @@ def test_skipped_steps_halve_the_step_size():
     messages = [str(w.message) for w in caught]
     report = nb.fit_report(result)
     assert report.skipped_steps == 4 and report.halvings == 4
-    # the clock jumps to 2c + tau at each skip: rho = 0.5, 0.25, 0.125, 0.0625 at steps 1..4
+    # each skip halves the Gaussian blocks' rho (the clock jumps to 4c + 3 tau): 0.5, 0.25, 0.125, 0.0625
     assert report.step_size == pytest.approx(0.0625, rel=1e-6)
     assert any("halved 4 time(s)" in m for m in messages)
 

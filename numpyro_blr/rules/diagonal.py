@@ -230,7 +230,10 @@ def _noise(parts, state):
 
 def perturbed(algorithm, params, opt_state):
     r"""The weights at which to evaluate the gradient for :func:`as_optax`'s next ``update``:
-    ``params`` plus this step's draw :math:`\sigma\epsilon` (``params`` itself for the delta-method rows)."""
+    ``params`` plus this step's draw :math:`\sigma\epsilon` (``params`` itself for the delta-method rows).
+    A row whose parts give their own view (the Lie-group rows, :mod:`numpyro_blr.rules.liegroup`) draws its own."""
+    if hasattr(algorithm.parts, "perturbed"):
+        return algorithm.parts.perturbed(params, opt_state)
     noise = _noise(algorithm.parts, opt_state)
     if noise is None:
         return params
@@ -255,14 +258,21 @@ def as_optax(algorithm, seed=0):
     Gauss-Newton rows (VOGN, OGN) also take ``squared_grads=`` (the mean over the batch of the
     per-example squared gradients). bSAM needs two gradient evaluations per step and has no such
     view: use its ``step``. Skipped (non-finite) steps return zero updates and count in the state.
+
+    The Lie-group rows (``nb.lie_additive``, ``nb.lie_affine``, ``nb.lie_multiplicative``) have the same view,
+    given by their parts (:func:`numpyro_blr.rules.liegroup.lie_as_optax`): ``perturbed`` draws
+    :math:`\theta = g\cdot\xi` and ``update`` takes the gradient there.
     """
     import optax
 
     parts = algorithm.parts
+    if hasattr(parts, "as_optax"):
+        return parts.as_optax(seed)
     if not isinstance(parts, DiagonalParts) or not hasattr(parts.estimator, "from_grads"):
         raise ValueError(
             "as_optax takes a diagonal row whose estimate can be formed from one gradient (nb.ivon, nb.vogn, "
-            "nb.ogn, nb.adam_blr, nb.rmsprop_blr, nb.sgd_blr); bSAM needs two gradient evaluations per step: "
+            "nb.ogn, nb.adam_blr, nb.rmsprop_blr, nb.sgd_blr) or a Lie-group row (nb.lie_additive, nb.lie_affine, "
+            "nb.lie_multiplicative); bSAM needs two gradient evaluations per step: "
             "use its step function."
         )
 
