@@ -45,6 +45,7 @@ def init(centers):
     return {"mu": dist.Normal(jnp.asarray(centers) + 0.5, 1.0).to_event(1)}
 
 
+@pytest.mark.slow
 def test_streamed_and_index_sampled_minibatches_agree_and_reach_full_vmp():
     y, centers = data(3000)
     b = 100

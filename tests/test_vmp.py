@@ -6,7 +6,6 @@ implementation (BayesPy) is in tests/test_bayespy.py, minibatches in tests/test_
 """
 
 import math
-import warnings
 
 import jax
 import jax.numpy as jnp

@@ -40,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from numpyro_blr.families.registry import exponential_form
-from numpyro_blr.infer.graph import ModelError, mask_of, unwrap
+from numpyro_blr.infer.graph import FAST_COMPILE, ModelError, mask_of, unwrap
 
 __all__ = ["check", "expected_factor", "reference_values", "site_rules"]
 
@@ -400,7 +400,7 @@ def check(graph, natural, rtol, sites=None, seed=0):
 
     values = {name: (plan[0], plan[1]) for name, plan in plans.items()}
     locals_ = {name: [t[0] for t in trials] for name, trials in shrunk.items()}
-    errors = jax.tree.map(np.asarray, graph.jit(evaluate)(values, refs, natural, locals_))
+    errors = jax.tree.map(np.asarray, graph.jit(evaluate, **FAST_COMPILE)(values, refs, natural, locals_))
     for name, (_, _, jobs) in plans.items():
         for (kind, d, _, _), worst in zip(jobs, errors[name]):
             worst = float(worst)

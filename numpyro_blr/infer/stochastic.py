@@ -166,7 +166,6 @@ class _Stochastic(_Engine):
             iterator = bar
         batch_iter = iter(batches) if batches is not None else None
         perm, pos = None, self.size
-        last = None
         for t in iterator:
             if batch_iter is not None:
                 try:
@@ -186,7 +185,7 @@ class _Stochastic(_Engine):
                 warnings.warn(f"svi: step {t + 1} is not finite ({diverged} went non-finite); stopped and kept the last "
                               "finite state.", RuntimeWarning, stacklevel=3)
                 break
-            state, taken, last = new, taken + 1, info
+            state, taken = new, taken + 1
             history.append(float(info.elbo))
             if bar is not None and t % 50 == 0:
                 bar.set_postfix(minibatch_elbo=f"{history[-1]:.6g}")
