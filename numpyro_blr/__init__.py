@@ -12,7 +12,10 @@ from numpyro_blr.guides import ExpFamilyGuide
 from numpyro_blr.families import Bernoulli, Beta, Categorical, DiagonalGaussian, Dirichlet, FullGaussian, Gamma
 from numpyro_blr.infer import conjugate_fit
 from numpyro_blr.layout import GuideLayoutError, read_layout
-from numpyro_blr.optim import BLR, BLRState, FitTrace, adaptive_decay, harmonic_decay, nonfinite_parameters
+from numpyro_blr.optim import BLR, BLRState
+from numpyro_blr.report import FitTrace
+from numpyro_blr.rules.schedules import adaptive_decay, harmonic_decay
+from numpyro_blr.svi import GuideState, nonfinite_parameters
 from numpyro_blr.report import FitReport, fit_report
 from numpyro_blr.presets import (
     bayesbinn,
@@ -67,6 +70,7 @@ __all__ = [
     "sgd_blr",
     "vogn",
     "BLRState",
+    "GuideState",
     "FitReport",
     "FitTrace",
     "adaptive_decay",

@@ -337,7 +337,7 @@ def passthrough_params(fn, params, other, fallback, who):
     return tuple(other)
 
 
-def as_optax(fallback):
+def fallback_transformation(fallback):
     """``fallback`` as an ``optax.GradientTransformation``: an optax one as it is, a NumPyro optimizer
     (``numpyro.optim.Adam(1e-3)``, ``optax_to_numpyro(...)``) through its ``init_fn``/``update_fn``/
     ``get_params_fn`` (the update is the change of the parameters it holds). None stays None."""

@@ -1,20 +1,38 @@
-r"""Table 1 of Khan & Rue (2023), optimisation rows, as compositions of :class:`~numpyro_blr.BLR`.
+r"""Table 1 of Khan & Rue (2023): every row a few lines composing a family, an estimator and a rule.
 
-============================  ==========================  ===============================
-algorithm                     posterior family            natural-gradient approximation
-============================  ==========================  ===============================
-:func:`gradient_descent`      Gaussian, fixed covariance  delta method
-:func:`newton`                Gaussian (full)             delta method, exact Hessian
-:func:`laplace`               Gaussian (full)             Newton to the mode, ``lr = 1``
-:func:`von`                   Gaussian                    sampled Hessian (Price), improved BLR
-:func:`mixture_blr`           mixture of Gaussians        responsibility-weighted Monte Carlo
-:func:`multimodal_            mixture of Gaussians        delta method at each component
+Rows over a NumPyro guide return a :class:`~numpyro_blr.BLR` (an SVI optimizer); rows over a
+network's weights return an :class:`~numpyro_blr.core.Algorithm` (``init``/``step``/``sample``,
+with ``nb.as_optax`` for Flax/Equinox loops and ``nb.IVON``/``nb.LieGroupBLR`` for SVI).
+
+============================  ===========================  ====================================  =====================
+row                           posterior family             estimator (natural-gradient approx.)  rule
+============================  ===========================  ====================================  =====================
+:func:`gradient_descent`      Gaussian, fixed covariance   delta method, no Hessian              BLR mean step
+:func:`newton`                Gaussian (full)              delta method, exact Hessian           plain BLR
+:func:`laplace`               Gaussian (full)              Newton to the mode, ``lr = 1``        plain BLR
+:func:`von`                   Gaussian                     sampled Hessian (Price)               improved BLR
+:func:`ivon`                  diagonal Gaussian            Price with weight noise               improved, diagonal
+:func:`vogn`                  diagonal Gaussian            per-example Gauss-Newton at a sample  plain, diagonal
+:func:`ogn`                   diagonal Gaussian            per-example Gauss-Newton at the mean  plain, diagonal
+:func:`bsam`                  diagonal Gaussian            sharpness-aware gradient              plain, diagonal
+:func:`adam_blr`              diagonal Gaussian            squared gradient, delta               square-root, diagonal
+:func:`rmsprop_blr`           diagonal Gaussian            squared gradient, delta               square-root, diagonal
+:func:`sgd_blr`               Gaussian, fixed covariance   gradient, delta                       mean step
+:func:`mixture_blr`           mixture of Gaussians         responsibility-weighted Monte Carlo   natural, per component
+:func:`multimodal_            mixture of Gaussians         delta method at each component        natural, per component
 optimization`
-:func:`bayesbinn`             Bernoulli (:math:`\pm1`)    Gumbel-softmax relaxation
-============================  ==========================  ===============================
+:func:`bayesbinn`             Bernoulli (:math:`\pm1`)     Gumbel-softmax relaxation             natural (Bernoulli)
+:func:`lie_additive`          additive group x any q0      reparameterisation                    exponential map
+:func:`lie_multiplicative`    multiplicative group x q0    reparameterisation                    exponential map
+:func:`lie_affine`            diagonal affine group x q0   reparameterisation                    exponential map
+============================  ===========================  ====================================  =====================
+
+Exact Bayes and message passing (``rho = 1`` on conjugate factors) are in
+:func:`numpyro_blr.conjugate_fit` and :mod:`numpyro_blr.infer`.
 """
 
 import math
+import warnings
 
 import numpy as np
 
@@ -148,16 +166,23 @@ def ogn(lr, weight_decay=1e-4, beta1=0.9, beta2=0.999, hess_init=1.0, axis_name=
     return diagonal_algorithm(weights.gauss_newton(None), rule, check_positive(hess_init, "hess_init") + delta, None, axis_name)
 
 
-def bsam(lr, ess=None, rho=0.01, beta1=0.9, beta2=0.999, weight_decay=1e-4, damping=0.1, s_init=1.0, msharpness=1) -> Algorithm:
+def bsam(lr, ess=None, radius=0.01, beta1=0.9, beta2=0.999, weight_decay=1e-4, damping=0.1, s_init=1.0, msharpness=1,
+         *, rho=None) -> Algorithm:
     r"""Bayesian SAM (Moellenhoff & Khan 2023, Algorithm 1).
 
     Diagonal Gaussian :math:`\mathcal N(w, 1/(Ns))` x the sharpness-aware estimator (gradient at the
-    adversarial point :math:`w + \rho g/s`, curvature :math:`\sqrt s|g| + \gamma`;
+    adversarial point :math:`w + r g/s`, curvature :math:`\sqrt s|g| + \gamma`;
     :func:`~numpyro_blr.estimators.weights.sharpness_aware`) x the plain precision step, weight decay
-    in the momentum and no bias correction. ``rho`` is the SAM radius (the BLR step size is ``lr``).
+    in the momentum and no bias correction. ``radius`` :math:`r` is the SAM neighbourhood (the
+    paper's :math:`\rho`; here :math:`\rho` is the BLR step size, ``lr``). ``rho=`` is the former
+    name of ``radius``, still accepted with a ``DeprecationWarning``.
     """
     ess = _ess(ess)
-    rho = check_positive(rho, "rho", allow_zero=True)
+    if rho is not None:
+        warnings.warn("bsam(rho=...) is now bsam(radius=...): rho is the BLR step size across the package.",
+                      DeprecationWarning, stacklevel=2)
+        radius = rho
+    rho = check_positive(radius, "radius", allow_zero=True)
     damping = check_positive(damping, "damping", allow_zero=True)
     rule = DiagonalRule(
         _lr(lr), check_fraction(beta1, "beta1"), check_fraction(beta2, "beta2"), "plain",

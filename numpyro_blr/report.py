@@ -1,6 +1,6 @@
 r"""What a :class:`~numpyro_blr.BLR` run says about itself: :func:`fit_report`.
 
-Every BLR step updates a :class:`~numpyro_blr.optim.FitTrace` in the optimizer state (fixed-shape
+Every BLR step updates a :class:`FitTrace` (:func:`next_trace`) in the optimizer state (fixed-shape
 arrays, no host round-trip). At the end of ``SVI.run`` (or on the caller's ``svi.get_params``)
 ``BLR.get_params`` turns it into a report and warns once about each problem it finds, naming the
 parameters (and, with the guide, the sites) concerned and the one change that fixes it:
@@ -26,6 +26,8 @@ parameters (and, with the guide, the sites) concerned and the one change that fi
 
 from typing import NamedTuple
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from numpyro_blr.layout import DIAGONAL, FULL
@@ -38,6 +40,98 @@ UNCONVERGED_PERSISTENCE = 0.7
 COLLAPSE_EPS = 10.0
 MIN_STEPS = 10  # no verdict on convergence before this many steps
 DAMPED_FRACTION = 0.3
+
+
+class FitTrace(NamedTuple):
+    r"""What a run carries for :func:`numpyro_blr.fit_report` (fixed-shape arrays, updated every step).
+
+    ``clock``          the adaptive step size's count of noise-dominated steps (:class:`adaptive_decay`);
+    ``direction``      the previous step's whitened direction (flat), for the sign test;
+    ``rho``            the step size of the last step;
+    ``loss_avg``       exponential average (weight 0.1) of the finite losses;
+    ``loss_var``       exponential average of their squared deviation from ``loss_avg``;
+    ``loss_best``      the lowest ``loss_avg`` so far;
+    ``loss_best_var``  ``loss_var`` at the step where ``loss_best`` was reached (the noise level a
+                       rise is measured against; the variance at the end includes the rise itself);
+    ``gradient_size``  per loc parameter, elementwise: exponential average (weight 0.2) of
+                       :math:`\log|u|`, :math:`u` the whitened mean gradient :math:`L^\top\hat g` (for
+                       a Gaussian posterior, the distance to the optimum in posterior sds);
+    ``gradient_last``  the last :math:`u`;
+    ``persistence``    exponential average (weight 0.05, from 1) of :math:`\operatorname{sign}(u_t u_{t-1})`:
+                       near 1 while the mean travels one way, near 0 once :math:`u` is noise;
+    ``halvings``       how many times the step size was halved after a non-finite step;
+    ``damped``         how many mean steps backtracking shortened (``BLR``'s backtracking);
+    ``damped_recent``  exponential average (weight 0.05) of whether the mean step was shortened;
+    ``damping``        the last step's factor :math:`\alpha` on the mean step (1: a full step).
+    """
+
+    clock: jax.Array
+    direction: jax.Array
+    rho: jax.Array
+    loss_avg: jax.Array
+    loss_var: jax.Array
+    loss_best: jax.Array
+    loss_best_var: jax.Array
+    gradient_size: dict
+    gradient_last: dict
+    persistence: dict
+    halvings: jax.Array
+    damped: jax.Array
+    damped_recent: jax.Array
+    damping: jax.Array
+
+
+def next_trace(trace, i, ok, loss, lr, direction, whitened_grad, skipped, damping):
+    """The run's evidence after this step; with the adaptive step size (``skipped``: the clock
+    after a skipped step, as a function of the clock), its clock too."""
+    short = damping < 1
+    v = jnp.concatenate([direction[k] for k in sorted(direction)]) if direction else trace.direction
+    v = v.astype(trace.direction.dtype)
+    clock, halvings = trace.clock, trace.halvings
+    if skipped is not None:
+        # the fraction of the products of successive coordinates that are negative, weighted by
+        # their size: one coordinate still travelling (a scale whose precision is far too high)
+        # outweighs many that are noise, and a small bias in noisy coordinates only slows the clock
+        products = v * trace.direction
+        total = jnp.sum(jnp.abs(products))
+        changed = jnp.where(total > 0, jnp.sum(jnp.maximum(-products, 0.0)) / jnp.where(total > 0, total, 1.0), 1.0)
+        advance = jnp.where(i > 0, jnp.minimum(1.0, 2.0 * changed), 0.0)
+        clock = jnp.where(ok, clock + advance, skipped(clock))
+        halvings = halvings + jnp.where(ok, 0, 1).astype(halvings.dtype)
+    first = jnp.isnan(trace.loss_avg)
+    finite_loss = jnp.isfinite(loss)
+    loss = jnp.asarray(loss, trace.loss_avg.dtype)
+    avg = jnp.where(first, loss, 0.9 * trace.loss_avg + 0.1 * loss)
+    var = jnp.where(first, 0.0, 0.9 * trace.loss_var + 0.1 * (loss - trace.loss_avg) ** 2)
+    avg = jnp.where(finite_loss, avg, trace.loss_avg)
+    var = jnp.where(finite_loss, var, trace.loss_var)
+    # geometric average (weight 0.2) of |u|: forgets the huge gradients of the first steps in tens
+    # of steps, where an average of u^2 would remember them for hundreds; and how persistently
+    # the sign of u repeats (weight 0.05; 1 at the start: a run is not converged until shown)
+    sizes, persistence = {}, {}
+    for k, u in whitened_grad.items():
+        log_u = jnp.log(jnp.abs(u) + jnp.finfo(u.dtype).tiny)
+        sizes[k] = jnp.where(i > 0, jnp.where(ok, 0.8 * trace.gradient_size[k] + 0.2 * log_u, trace.gradient_size[k]), log_u)
+        same = jnp.sign(u * trace.gradient_last[k])
+        persistence[k] = jnp.where(ok & (i > 0), 0.95 * trace.persistence[k] + 0.05 * same, trace.persistence[k])
+    last = {k: jnp.where(ok, whitened_grad[k], trace.gradient_last[k]) for k in whitened_grad}
+    new_best = finite_loss & (avg < trace.loss_best)
+    return FitTrace(
+        clock=clock,
+        direction=jnp.where(ok, v, trace.direction),
+        rho=lr,
+        loss_avg=avg,
+        loss_var=var,
+        loss_best=jnp.where(new_best, avg, trace.loss_best),
+        loss_best_var=jnp.where(new_best, var, trace.loss_best_var),
+        gradient_size=sizes,
+        gradient_last=last,
+        persistence=persistence,
+        halvings=halvings,
+        damped=trace.damped + jnp.where(ok & short, 1, 0).astype(trace.damped.dtype),
+        damped_recent=jnp.where(ok, 0.95 * trace.damped_recent + 0.05 * short, trace.damped_recent),
+        damping=jnp.where(ok, damping, trace.damping).astype(trace.damping.dtype),
+    )
 
 
 class FitReport(NamedTuple):
@@ -70,10 +164,10 @@ class FitReport(NamedTuple):
 
 
 def _opt_state(obj):
-    """``(step, BLRState)`` from an SVIRunResult, an SVIState or the optimizer state itself."""
+    """``(step, GuideState)`` from an SVIRunResult, an SVIState or the optimizer state itself."""
     obj = getattr(obj, "state", obj)
     obj = getattr(obj, "optim_state", obj)
-    if not (isinstance(obj, tuple) and len(obj) == 2 and hasattr(obj[1], "trace")):
+    if not (isinstance(obj, tuple) and len(obj) == 2 and hasattr(getattr(obj[1], "algorithm", None), "trace")):
         raise TypeError(
             "fit_report expects the result of SVI.run with nb.BLR (svi_result), its .state, or the BLR "
             f"optimizer state; got {type(obj).__name__}."
@@ -107,9 +201,9 @@ def fit_report(result, optimizer=None, guide=None):
     step, s = _opt_state(result)
     optimizer = optimizer or BLR()
     guide = guide if guide is not None else getattr(optimizer, "guide", None)
-    tr = s.trace
+    tr = s.algorithm.trace
     steps = int(step)
-    skipped = int(s.nonfinite_steps)
+    skipped = int(s.skipped)
     bad_params = sorted(k for k, v in s.nonfinite.items() if bool(v))
     rho, halvings = float(tr.rho), int(tr.halvings)
     avg, best, sd = float(tr.loss_avg), float(tr.loss_best), float(np.sqrt(float(tr.loss_var)))
@@ -119,7 +213,7 @@ def fit_report(result, optimizer=None, guide=None):
     if skipped:
         damped = f", and the step size was halved {halvings} time(s), to {rho:.3g}" if halvings else ""
         problems.append(
-            f"nb.BLR skipped {skipped} step(s) because of a non-finite loss, gradient or update, for "
+            f"nb.BLR skipped {skipped} step(s) (step count {steps}) because of a non-finite loss, gradient or update, for "
             f"parameter(s) {bad_params}; those steps kept the last finite values{damped}. Check the model's "
             "log density at the current guide (a scale or rate that reaches 0, an overflowing exp), pass a "
             "smaller lr, or use SVI.run(..., stable_update=True)."
@@ -138,7 +232,7 @@ def fit_report(result, optimizer=None, guide=None):
                 "sample, which can explode on log-scale parameters)."
             )
         problems.append(
-            f"nb.BLR diverged: the average loss ended at {avg:.6g}, {avg - best:.3g} above its best value "
+            f"nb.BLR diverged: after {steps} steps the average loss ended at {avg:.6g}, {avg - best:.3g} above its best value "
             f"{best:.6g} in this run. {fix}"
         )
         keys.append(("diverged",))
@@ -178,7 +272,7 @@ def fit_report(result, optimizer=None, guide=None):
             collapsed.append(b.scale)
     if collapsed and not diverged:
         problems.append(
-            f"nb.BLR: the guide's standard deviation collapsed to the rounding level of the mean in {collapsed}: "
+            f"nb.BLR: after {steps} steps the guide's standard deviation collapsed to the rounding level of the mean in {collapsed}: "
             "the posterior there is degenerate (a hierarchical scale going to 0, a flat direction with a "
             "hard constraint) or the precision step over-shot. Reparameterise the site (LocScaleReparam "
             "for a hierarchical scale) or pass a smaller lr."

@@ -29,12 +29,13 @@ from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from numpyro.optim import _NumPyroOptim
 
 from numpyro_blr.guide_trace import (
     PLACEHOLDER_SUFFIX,
-    as_optax,
+    fallback_transformation,
     check_foreign_state,
     check_loss,
     guide_call_args,
@@ -65,8 +66,10 @@ class GuideState(NamedTuple):
 class GuideStep(NamedTuple):
     """What an algorithm's ``step`` proposes: ``loss``, ``aux`` (SVI's mutable state), ``grads`` (the
     loss's gradients w.r.t. every parameter, for the fallback), ``params`` (all parameters, its blocks
-    updated), ``state`` (its proposed state) and ``checked`` (parameter name -> arrays that must be
-    finite for that parameter's update to be kept)."""
+    updated), ``state`` (its proposal, read only by its own ``commit`` within the same trace: the
+    proposed state, or a function of whether the step is kept when part of its bookkeeping records
+    skipped steps too, as ``nb.BLR``'s fit trace does) and ``checked`` (parameter name -> arrays that
+    must be finite for that parameter's update to be kept)."""
 
     loss: Any
     aux: Any
@@ -102,7 +105,7 @@ class GuideOptimizer(_NumPyroOptim):
 
     def __init__(self, algorithm, *, fallback=None, guide=None, guide_args=None, guide_kwargs=None, prefix=None):
         self.algorithm = algorithm
-        self.fallback = as_optax(fallback)
+        self.fallback = fallback_transformation(fallback)
         self.guide = guide
         # a hand-written guide is read by tracing it (numpyro_blr.guide_trace), with these arguments
         self.traced = guide is not None and not is_autoguide(guide)
@@ -156,12 +159,13 @@ class GuideOptimizer(_NumPyroOptim):
         layout = self.layout(params)
         params, state = self.algorithm.init(dict(params), layout)
         other = {k: params[k] for k in layout.other}
-        return jnp.array(0), GuideState(
+        # constants from NumPy, placed once: jnp constructors compile a small program per new shape
+        return jax.device_put(np.array(0, np.int32)), GuideState(
             params=params,
             algorithm=state,
             fallback=self.fallback.init(other) if self.fallback is not None else (),
-            nonfinite={k: jnp.array(False) for k in params},
-            skipped=jnp.array(0, dtype=jnp.int32),
+            nonfinite={k: jax.device_put(np.array(False)) for k in params},
+            skipped=jax.device_put(np.array(0, np.int32)),
         )
 
     def get_params(self, state):

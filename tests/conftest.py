@@ -1,3 +1,10 @@
+"""Shared fixtures. The tests are laid out like the package: ``families/``, ``rules/``, ``rows/`` (one
+Table-1 row or optax view per file), ``svi/`` (the SVI adapter and nb.BLR's behaviour), ``guides/``,
+``infer/``, ``diagnostics/``, ``accuracy/`` (against NUTS and gold-standard references) and
+``package/`` (import cost, packaging, the demo). Expensive references are session fixtures here
+(the NUTS run on breast cancer is computed once per worker); ``-m "not slow"`` is ``make test-fast``.
+"""
+
 import os
 import pathlib
 
@@ -12,7 +19,7 @@ from sklearn.datasets import load_breast_cancer, load_diabetes
 
 # JAX's persistent compilation cache. The suite spends most of its time in XLA compilation (about
 # 80%: measured with jax.monitoring's backend_compile_duration), so a second run on the same
-# checkout reuses the executables of the first (tests/test_any_guide.py: 55 s -> 23 s); a cold run
+# checkout reuses the executables of the first (tests/guides/test_any_guide.py: 55 s -> 23 s); a cold run
 # (CI's fresh clone) costs the same as without the cache (writing the entries is cheap, and the
 # programs several tests compile alike are read back). Every entry is kept (no minimum compile time
 # or size).

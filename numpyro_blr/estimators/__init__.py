@@ -27,6 +27,18 @@ Modules:
                             (IVON), per-example Gauss-Newton (VOGN, OGN), squared gradient
                             (Adam, RMSprop), gradient (SGD), sharpness-aware (bSAM)
 ==========================  ================================================================
+
+Names used across the package (one per concept): ``precision`` :math:`S` (a Gaussian's natural
+parameter, never "curv"/"hess"/"nat2"); ``hessian`` an estimate of :math:`\mathbb E_q[\nabla^2\ell]`;
+``grad`` an estimate of :math:`\mathbb E_q[\nabla\ell]` (or :math:`\nabla_\mu` for other families);
+``lr`` / :math:`\rho` the BLR step size; ``radius`` bSAM's neighbourhood size; ``weight_decay`` a
+Gaussian prior's precision per example; ``delta`` the delta method (evaluate at the mean). The
+``hessian=`` choices of ``nb.BLR``: ``"reparam"`` is Price's theorem in its reparameterisation
+form, :math:`\hat H = \operatorname{sym}(\nabla_L \hat\ell\,\varepsilon^{-1})` read from the
+gradient w.r.t. the scale, with the same draw's baseline subtracted (two gradient passes, low
+variance); ``"price"`` is the one-pass form :math:`\hat H = S(z-m)\hat g^\top` symmetrised;
+``"autodiff"`` the exact Hessian at the sample (forward-over-reverse); ``"none"`` keeps the
+covariance (gradient descent on the mean).
 """
 
 from typing import Any, NamedTuple, Optional
@@ -54,6 +66,7 @@ from numpyro_blr.estimators.svi import (  # noqa: E402
     HESSIANS,
     at_mean,
     estimate,
+    hoist_constant_work,
     reparam_hessian_diagonal,
     reparam_hessian_full,
     reparam_whitened_hessian,
@@ -64,6 +77,7 @@ __all__ = [
     "HESSIANS",
     "at_mean",
     "estimate",
+    "hoist_constant_work",
     "reparam_hessian_diagonal",
     "reparam_hessian_full",
     "reparam_whitened_hessian",

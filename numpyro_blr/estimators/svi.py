@@ -28,12 +28,22 @@ gradients carry all the BLR needs (Khan & Rue 2023, Sec. 4.2; Lin et al. 2019, B
 linear in those gradients, so several Monte Carlo samples need nothing more.
 """
 
+import contextlib
 from typing import NamedTuple, Optional
 
 import jax
 import numpy as np
 import jax.numpy as jnp
 from jax.flatten_util import ravel_pytree
+
+try:
+    from jax.extend.core import Literal
+except ImportError:  # pragma: no cover - older jax
+    from jax.core import Literal
+try:
+    from jax._src import source_info_util as _source_info
+except ImportError:  # pragma: no cover - only the HLO metadata loses its source lines
+    _source_info = None
 
 from numpyro_blr.layout import DIAGONAL, FULL, POINT
 from numpyro_blr.rules.blr import inverse_scale_tril
@@ -61,6 +71,89 @@ def _value_and_grad(fn, params, forward_mode):
         grads, (out, aux) = jax.jacfwd(wrapper, has_aux=True)(params)
         return (out, aux), grads
     return jax.value_and_grad(fn, has_aux=True)(params)
+
+
+def _bind_equation(eqn, env):
+    """Evaluate one jaxpr equation on the values in ``env`` (as ``jax.core.eval_jaxpr`` does), in the
+    current trace, keeping the equation's source location for the HLO metadata and error messages."""
+    params = eqn.primitive.get_bind_params(eqn.params)
+    subfuns, params = params if isinstance(params, tuple) else ((), params)  # jax < 0.5: (subfuns, params)
+    args = [v.val if isinstance(v, Literal) else env[v] for v in eqn.invars]
+    ctx = getattr(getattr(eqn, "ctx", None), "manager", None) or contextlib.nullcontext()
+    where = contextlib.nullcontext()
+    if _source_info is not None:
+        where = _source_info.user_context(eqn.source_info.traceback, name_stack=_source_info.current_name_stack() + eqn.source_info.name_stack)
+    with where, ctx:
+        out = eqn.primitive.bind(*subfuns, *args, **params)
+    for v, x in zip(eqn.outvars, out if eqn.primitive.multiple_results else (out,)):
+        env[v] = x
+
+
+def hoist_constant_work(fn, params):
+    r"""``fn`` with the work that does not depend on ``params`` done once, now, in the calling trace.
+
+    A BLR step evaluates the loss several times at the same random key: under ``jacfwd`` for the
+    exact Hessian, at the shortened means of backtracking, at the mean for the delta method. Each
+    evaluation traces the whole loss again, including what does not depend on the parameters at all:
+    NumPyro's draws of :math:`\varepsilon` (the threefry hash and the inverse error function, a few
+    hundred HLO operations per site), the model's data-only arithmetic, constants. XLA merges none of
+    it across the copies (the copies inside ``lax.while_loop`` or batched by ``vmap`` differ), so a
+    small model's step compiled mostly random-number code: on ``ucbadmit_glmm`` with ``AutoNormal``,
+    39,000 of the step's optimised HLO operations, 20,000 after this (measured with
+    ``bench/bench_compile.py``'s cases; the compile time follows the operation count). The values
+    the kept equations read are passed through ``lax.optimization_barrier``: materialised once, XLA
+    cannot fuse (copy) the random-number code into each consumer's kernel (16,000 operations).
+
+    ``fn`` is traced once into a jaxpr; every equation none of whose inputs depends on ``params`` (and
+    that has no effect) is evaluated here, the others are kept, and the returned function evaluates
+    only those, on its argument, with the values computed here. It is ``fn`` on every argument of the
+    same structure, shapes and dtypes (same operations on the same values: the results are equal);
+    anything else, and anything this cannot trace, is passed to ``fn`` itself. NumPyro effect handlers
+    around a call of the returned function see nothing (it runs no NumPyro code): a caller that
+    changes the loss by a handler (``expfam_blocks``' enumeration) must call ``fn``.
+    """
+    try:
+        closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(params)
+        jaxpr = closed.jaxpr
+        leaves, treedef = jax.tree_util.tree_flatten(params)
+        avals = [(tuple(v.aval.shape), v.aval.dtype) for v in jaxpr.invars]
+        known = dict(zip(jaxpr.constvars, closed.consts))
+        varying = set(jaxpr.invars)
+        staged, computed = [], []
+        for eqn in jaxpr.eqns:
+            if eqn.effects or any(not isinstance(v, Literal) and v in varying for v in eqn.invars):
+                staged.append(eqn)
+                varying.update(eqn.outvars)
+            else:
+                _bind_equation(eqn, known)
+                computed.extend(eqn.outvars)
+    except Exception:  # noqa: BLE001 - a loss this cannot split is evaluated as it is
+        return fn
+    out_tree = jax.tree_util.tree_structure(out_shape)
+    # what the kept equations read of the computed values, materialised once: without the barrier
+    # XLA fuses (copies) the random-number code into each of its consumers' kernels
+    read = {v for eqn in staged for v in eqn.invars if not isinstance(v, Literal)}
+    read.update(v for v in jaxpr.outvars if not isinstance(v, Literal))
+    residuals = [v for v in computed if v in read]  # in the order of the equations: a deterministic program
+    try:
+        known.update(zip(residuals, jax.lax.optimization_barrier([known[v] for v in residuals])))
+    except Exception:  # noqa: BLE001 - a value the barrier does not take (a typed key): left as it is
+        pass
+
+    def hoisted(p):
+        p_leaves, p_tree = jax.tree_util.tree_flatten(p)
+        if p_tree != treedef or [(tuple(jnp.shape(x)), jnp.result_type(x)) for x in p_leaves] != avals:
+            return fn(p)
+        env = dict(known)
+        env.update(zip(jaxpr.invars, p_leaves))
+        try:
+            for eqn in staged:
+                _bind_equation(eqn, env)
+        except Exception:  # noqa: BLE001 - an equation this cannot replay (a jax version's quirk): the loss itself
+            return fn(p)
+        return jax.tree_util.tree_unflatten(out_tree, [v.val if isinstance(v, Literal) else env[v] for v in jaxpr.outvars])
+
+    return hoisted
 
 
 def _tiny(dtype):
@@ -140,7 +233,14 @@ def _grad_and_loc_hessian(fn, params, names, forward_mode, scaled_blocks=()):
     (:math:`z = m + cL\epsilon`); the gradient's derivative along it at :math:`c = 1` is
     :math:`\nabla^2\ell(z)\,L\epsilon`, from which the sample's offset :math:`L\epsilon` is solved.
     It is a separate one-tangent JVP, not one more column of the Jacobian, so that the loc
-    directions carry no tangent through the guide's scale transform and log-density.
+    directions carry no tangent through the guide's scale transform and log-density. Measured
+    both ways (the column as the raw scale's tangent in one batched JVP of D+1 directions): one
+    column more saves a trace of the loss and its gradient (ucbadmit_glmm ``AutoNormal``: 15%
+    less compile CPU time; kidiq ``AutoMultivariateNormal``: none), but it costs run time: the
+    loc directions are then no longer ``jacfwd``'s constant unit basis, which XLA folds into the
+    model's products (``X @ I``), so each step multiplies the data by a D+1 column tangent
+    (breast cancer 148 -> 224 us per step with ``AutoNormal``, 238 -> 307 with
+    ``AutoMultivariateNormal``; kidiq 18 -> 33 us).
     Returns ``((loss, aux), grads, H, column)`` (``column`` None without ``scaled_blocks``).
     """
     flat, unravel = ravel_pytree({n: params[n] for n in names})
@@ -163,7 +263,7 @@ def _grad_and_loc_hessian(fn, params, names, forward_mode, scaled_blocks=()):
     return out, grads, jac, column
 
 
-def estimate(fn, params, layout, hessian="reparam", delta=False, forward_mode=False, point_hessian="autodiff"):
+def estimate(fn, params, layout, hessian="reparam", delta=False, forward_mode=False, point_hessian="autodiff", with_mean_loss=False):
     """Evaluate the loss and the BLR's gradient statistics for every block of ``layout``.
 
     Returns ``((loss, aux), grads, stats, points, joint)`` where ``grads`` are the raw gradients of
@@ -172,7 +272,9 @@ def estimate(fn, params, layout, hessian="reparam", delta=False, forward_mode=Fa
     (``g`` raveled, ``h`` a dense matrix), or None when there are none, and ``joint`` is the dense
     Hessian over all diagonal blocks' locs (raveled in layout order) when ``hessian="autodiff"``,
     else None. ``point_hessian``
-    ('autodiff' or 'none') is the curvature used for point masses, which have no sample.
+    ('autodiff' or 'none') is the curvature used for point masses, which have no sample. With
+    ``with_mean_loss`` and ``delta``, a sixth value: the loss at the mean, where gradient and Hessian
+    were evaluated (backtracking compares with it: one loss evaluation less to compile and to run).
     """
     if hessian not in HESSIANS:
         raise ValueError(f"hessian must be one of {HESSIANS}, got {hessian!r}")
@@ -190,6 +292,7 @@ def estimate(fn, params, layout, hessian="reparam", delta=False, forward_mode=Fa
         (loss, aux), grads, hess, column = _grad_and_loc_hessian(fn, eval_params, names, forward_mode, scaled)
     else:
         (loss, aux), grads = _value_and_grad(fn, eval_params, forward_mode)
+    mean_loss = loss
     if delta:
         loss, aux = fn(params)
     if names:
@@ -259,4 +362,6 @@ def estimate(fn, params, layout, hessian="reparam", delta=False, forward_mode=Fa
             idx = np.concatenate([np.arange(*offsets[n]) for n in sorted(point_names)])
             h = hess[np.ix_(idx, idx)]
         points = BlockStats(g, h)
+    if with_mean_loss and delta:
+        return (loss, aux), grads, stats, points, joint, mean_loss
     return (loss, aux), grads, stats, points, joint

@@ -9,7 +9,7 @@ from numpyro_blr.deep import bsam, predictive, sharpness_aware_from_grads, sharp
 from numpyro_blr.estimators.weights import draw
 
 SHAPES = {"w": (2, 3), "b": (3,)}
-HYPER = dict(lr=0.05, ess=40.0, rho=0.1, beta1=0.8, beta2=0.7, weight_decay=0.02, damping=0.3, s_init=2.0)
+HYPER = dict(lr=0.05, ess=40.0, radius=0.1, beta1=0.8, beta2=0.7, weight_decay=0.02, damping=0.3, s_init=2.0)
 
 
 def _tree(rng, scale=1.0):
@@ -83,7 +83,7 @@ def test_step_on_quadratic_matches_numpy():
         state, info = step(key, state)
         l = info.loss
         g = a * (w + eps / np.sqrt(HYPER["ess"] * s) - c)
-        wp = w + HYPER["rho"] * g / s
+        wp = w + HYPER["radius"] * g / s
         gr = a * (wp - c)
         np.testing.assert_allclose(l, 0.5 * np.sum(a * (wp - c) ** 2), rtol=1e-4)
         w, s, gm = _numpy_bsam(w, s, gm, g[None], gr[None], lr=HYPER["lr"], b1=HYPER["beta1"], b2=HYPER["beta2"],
@@ -104,7 +104,7 @@ def test_msharpness_splits_the_batch():
     for k, xg in zip(jax.random.split(key, 3), x.reshape(3, 2, 2)):
         th = state.layout.unravel(draw(k, state, HYPER["ess"], "jax")[0])  # the group's own draw
         g = jax.grad(loss)(th, xg)
-        lg, g_rho = jax.value_and_grad(loss)(sharpness_point(state, g, HYPER["rho"]), xg)
+        lg, g_rho = jax.value_and_grad(loss)(sharpness_point(state, g, HYPER["radius"]), xg)
         gs.append(g), gr.append(g_rho), ls.append(lg)
     manual, _ = _update(opt, gs, gr, state)
     np.testing.assert_allclose(new.params, manual.params, rtol=1e-5)
@@ -120,7 +120,7 @@ def test_nonfinite_skipped_and_bad_hyperparameters():
     bad, info = _update(opt, {"x": jnp.array([1.0, jnp.nan, 1.0])}, {"x": jnp.ones(3)}, state)
     assert bool(info.skipped) and int(bad.skipped) == 1 and int(bad.count) == 0
     np.testing.assert_array_equal(bad.params["x"], state.params["x"])
-    for kwargs, match in [(dict(lr=0.1), "ess"), (dict(lr=0.1, ess=10.0, rho=-1.0), "rho"),
+    for kwargs, match in [(dict(lr=0.1), "ess"), (dict(lr=0.1, ess=10.0, radius=-1.0), "radius"),
                           (dict(lr=0.1, ess=10.0, msharpness=0), "msharpness"),
                           (dict(lr=0.1, ess=10.0, s_init=0.0), "s_init")]:
         with pytest.raises(ValueError, match=match):

@@ -22,7 +22,7 @@ from numpyro.infer.autoguide import AutoMultivariateNormal, AutoNormal
 
 import numpyro_blr as nb
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 import robustness_cases as rc  # noqa: E402
 

@@ -45,7 +45,7 @@ def test_backtracking_is_a_no_op_on_a_quadratic_loss():
         for guide_cls in (AutoMultivariateNormal, AutoNormal):
             on, _ = _fit(_linear, guide_cls(_linear), nb.BLR(), 60, *args)
             off, _ = _fit(_linear, guide_cls(_linear), nb.BLR(backtrack=False), 60, *args)
-            assert int(on.state.optim_state[1].trace.damped) == 0
+            assert int(on.state.optim_state[1].algorithm.trace.damped) == 0
             for k in on.params:
                 np.testing.assert_allclose(on.params[k], off.params[k], rtol=1e-9, atol=1e-12)
 
@@ -122,8 +122,9 @@ def test_report_names_steps_still_shortened_at_the_end():
     y = jnp.array([0.3, 0.31, 0.29, 0.305, 0.295])
     res, _ = _fit(_laplace_noise, AutoNormal(_laplace_noise), nb.BLR(), 20, y)
     step, s = res.state.optim_state
-    calm = s.trace._replace(loss_avg=s.trace.loss_best, loss_var=jnp.zeros(()))
-    still = (step, s._replace(trace=calm._replace(damped_recent=jnp.asarray(0.5))))
-    done = (step, s._replace(trace=calm._replace(damped_recent=jnp.asarray(0.1))))
+    tr = s.algorithm.trace
+    calm = tr._replace(loss_avg=tr.loss_best, loss_var=jnp.zeros(()))
+    still = (step, s._replace(algorithm=s.algorithm._replace(trace=calm._replace(damped_recent=jnp.asarray(0.5)))))
+    done = (step, s._replace(algorithm=s.algorithm._replace(trace=calm._replace(damped_recent=jnp.asarray(0.1)))))
     assert any("shortened by backtracking" in p for p in nb.fit_report(still).problems)
     assert not any("shortened by backtracking" in p for p in nb.fit_report(done).problems)

@@ -7,7 +7,7 @@ import numpy as np
 
 from numpyro_blr.monitor import ELBOCurve
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def _demo_module():

@@ -12,7 +12,7 @@ HEAVY = ("arviz", "arviz_base", "xarray", "matplotlib")
 
 def _modules_after(code):
     env = dict(os.environ)
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
     out = subprocess.run(
         [sys.executable, "-c", code + f"; import sys, json; print(json.dumps([m for m in {HEAVY!r} if m in sys.modules]))"],

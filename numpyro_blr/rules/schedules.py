@@ -1,0 +1,157 @@
+r"""Step sizes :math:`\rho_t` of the Bayesian learning rule, and the checks on them.
+
+* :func:`harmonic_decay`: the Robbins-Monro :math:`\rho_0/(1 + t/\tau)`;
+* :class:`adaptive_decay`: the default of ``nb.BLR``, the same decay on a clock that only counts
+  noise-dominated steps (Kesten's rule), with Polyak-Ruppert averaging of the iterates;
+* :func:`check_step_size`: a float or an optax schedule in :math:`(0, 1]` at every step, checked
+  before any step runs; :func:`check_lr`, :func:`check_unit_interval`: argument checks with
+  messages that name the argument.
+
+Names: ``init_value`` :math:`\rho_0`, ``halving_steps`` :math:`\tau`, ``clock`` :math:`c`.
+"""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def check_lr(lr, name="lr"):
+    """A positive finite float, or a schedule (a callable step -> step size) positive at step 0."""
+    if callable(lr) and not isinstance(lr, type):
+        try:
+            first = float(lr(0))
+        except Exception as err:  # noqa: BLE001 - any failure means it is not a schedule
+            raise ValueError(f"{name} is callable but not a schedule step -> step size: calling it at 0 failed ({err}).") from err
+        if not math.isfinite(first) or first <= 0:
+            raise ValueError(f"{name} schedule must give positive finite step sizes, got {first} at step 0.")
+        return lr
+    if isinstance(lr, bool) or not isinstance(lr, (int, float, np.floating, np.integer)):
+        raise ValueError(
+            f"{name} must be a positive finite float or an optax schedule (a callable step -> step size), "
+            f"got {lr!r} of type {type(lr).__name__}."
+        )
+    if not math.isfinite(lr) or lr <= 0:
+        raise ValueError(f"{name} must be positive and finite, got {lr!r}.")
+    return float(lr)
+
+
+SCHEDULE_CHECK_STEPS = 1_000_000
+
+
+def check_step_size(lr):
+    """The BLR's step size :math:`\rho`: in (0, 1] at every step. :math:`\rho = 1` replaces the natural
+    parameters by the new estimate (a Newton step, exact Bayes on a conjugate model); :math:`\rho > 1`
+    gives the old ones a negative weight and extrapolates past it, which the precision step cannot
+    keep stable. A schedule is checked over its first ``SCHEDULE_CHECK_STEPS`` steps, before any step
+    runs, so that it cannot turn negative, non-finite or above 1 in the middle of a run."""
+    lr = check_lr(lr)
+    if not callable(lr):
+        if lr > 1.0:
+            raise ValueError(
+                f"lr={lr!r} is outside (0, 1]: the BLR's step size weighs the new estimate against the old "
+                "natural parameters, and lr > 1 gives the old ones a negative weight (unstable). Use lr <= 1 "
+                "(lr=1 is a full Newton step), or leave lr unset for the adaptive default."
+            )
+        return lr
+    steps = np.arange(SCHEDULE_CHECK_STEPS)
+    try:
+        values = np.asarray(jax.device_get(jax.jit(jax.vmap(lr))(jnp.asarray(steps))), dtype=float)
+    except Exception:  # noqa: BLE001 - a schedule written for scalars only: check a geometric grid
+        steps = np.unique(np.geomspace(1, SCHEDULE_CHECK_STEPS, 2000).astype(int) - 1)
+        values = np.array([float(lr(int(t))) for t in steps])
+    bad = ~np.isfinite(values) | (values <= 0) | (values > 1)
+    if np.any(bad):
+        first = int(np.argmax(bad))
+        raise ValueError(
+            f"the lr schedule gives {float(values[first])!r} at step {int(steps[first])}: the BLR's step size must stay "
+            "in (0, 1] at every step (checked over the first "
+            f"{SCHEDULE_CHECK_STEPS:,} steps). Clip the schedule, e.g. optax.schedules with an end value > 0, "
+            "or leave lr unset for the adaptive default."
+        )
+    return lr
+
+
+def check_unit_interval(x, name):
+    if isinstance(x, bool) or not isinstance(x, (int, float, np.floating, np.integer)) or not (0.0 <= x < 1.0):
+        raise ValueError(f"{name} must be a float in [0, 1), got {x!r}.")
+    return float(x)
+
+
+
+def harmonic_decay(init_value=0.5, halving_steps=10):
+    r"""The Robbins-Monro step size :math:`\rho_t = \rho_0 / (1 + t/\tau)` (``tau = halving_steps``).
+
+    :math:`\rho_t` halves after ``halving_steps`` steps, and decays like :math:`\rho_0\tau/t`, so
+    the natural parameters become a weighted average of the per-step estimates
+    (Khan & Rue 2023, Sec. 3: the BLR with :math:`\rho_t \propto 1/t` averages the "new
+    information"), which removes the Monte Carlo noise that a constant :math:`\rho` leaves.
+    """
+    init_value = check_lr(init_value, "init_value")
+    halving_steps = check_lr(halving_steps, "halving_steps")
+
+    def schedule(count):
+        return init_value / (1.0 + count / halving_steps)
+
+    return schedule
+
+
+class adaptive_decay:  # noqa: N801 - used like a schedule function
+    r"""The default step size: a Robbins-Monro decay on a clock that only counts noise-dominated steps,
+    with iterate averaging (Polyak & Juditsky 1992).
+
+    The clock :math:`c` advances at each step by
+    :math:`\min(1, 2f)`, where :math:`f = \sum_j (-p_j)_+ / \sum_j |p_j|`, :math:`p_j = v_j v'_j` the
+    products of the coordinates of the whitened step :math:`v` (:math:`L^\top\hat g` for the mean,
+    :math:`\operatorname{diag}(L^\top \hat H L) - 1` for the precision) and of the previous one
+    :math:`v'`: the size-weighted fraction of coordinates whose sign changed. This is Kesten's rule (Kesten 1958;
+    multivariate: Delyon & Juditsky 1993): while the fit is still travelling, successive steps
+    point the same way (:math:`f \approx 0`) and the clock stands still, so early estimates taken far
+    from the posterior are forgotten geometrically; once the steps are Monte Carlo noise around the
+    optimum, about half the signs change and the clock advances by about one per step.
+
+    With ``averaging=True`` (the default) the Gaussian blocks step with
+    :math:`\rho = \rho_0 / \sqrt{1 + c/\tau}` and the guide that :meth:`BLR.get_params` returns is the
+    exponential average of these iterates with weight :math:`\gamma = \rho_0 / (1 + c/\tau)`
+    (:meth:`__call__`), which decays like :math:`\rho_0\tau/t` and averages the Monte Carlo noise
+    away; the slower :math:`t^{-1/2}` decay of the iterate's own step keeps it moving along directions
+    where the fixed-point iteration contracts slowly (funnels, heavy-tailed scales), where a
+    :math:`\rho_0\tau/t` step would cover a distance growing only like :math:`\log t` (Bach & Moulines
+    2011: the :math:`t^{-1/2}` step with averaging is the choice robust to the conditioning).
+    With ``averaging=False`` every block steps with :math:`\gamma` itself and no average is kept
+    (the previous default). A step with a non-finite loss, gradient or update is skipped
+    and halves the iterate's step :math:`\rho` (the clock jumps so that
+    :math:`1 + c/\tau` is multiplied by :math:`2^{1/\kappa}`, :math:`\kappa` = ``power``).
+    """
+
+    adaptive = True
+
+    def __init__(self, init_value=0.5, halving_steps=10, averaging=True):
+        self.init_value = check_lr(init_value, "init_value")
+        self.halving_steps = check_lr(halving_steps, "halving_steps")
+        if not isinstance(averaging, (bool, np.bool_)):
+            raise ValueError(f"averaging must be True or False, got {averaging!r}.")
+        self.averaging = bool(averaging)
+        # exponent of the iterate's step: t^-1/2 with averaging, t^-1 (the weight itself) without
+        self.power = 0.5 if self.averaging else 1.0
+
+    def __call__(self, clock):
+        r""":math:`\gamma = \rho_0/(1 + c/\tau)`: the averaging weight (the step itself without averaging)."""
+        return self.init_value / (1.0 + clock / self.halving_steps)
+
+    def iterate(self, clock):
+        r""":math:`\rho = \rho_0/(1 + c/\tau)^\kappa`: the step of the averaged (Gaussian) blocks."""
+        if self.power == 1.0:
+            return self(clock)
+        return self.init_value * (1.0 + clock / self.halving_steps) ** -self.power
+
+    def skipped(self, clock):
+        r"""The clock after a skipped step: :math:`1 + c/\tau` times :math:`2^{1/\kappa}`, which halves
+        :meth:`iterate` (:math:`2c + \tau` without averaging, :math:`4c + 3\tau` with it)."""
+        factor = 2.0 ** (1.0 / self.power)
+        return factor * clock + (factor - 1.0) * self.halving_steps
+
+    def __repr__(self):
+        extra = "" if self.averaging else ", averaging=False"
+        return f"adaptive_decay({self.init_value}, {self.halving_steps}{extra})"
