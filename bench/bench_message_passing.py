@@ -7,7 +7,7 @@ in one process, competitors alternating.
    and the peak RSS after the N = 10^6 fit. Ours is timed cold (construction, checks and compilation included) and
    its sweeps alone. At N = 10^6 BayesPy takes 15-20 s per iteration here: unless ``--bayespy-full`` it runs 2
    iterations and its run is its measured time per iteration times the number of sweeps ours needed (the two are
-   the same algorithm from the same start, tests/test_bayespy.py checks them iteration by iteration, and the counts
+   the same algorithm from the same start, tests/infer/test_bayespy.py checks them iteration by iteration, and the counts
    agree at 10^4 and 10^5), marked "*".
 2. Stochastic VI on the N = 10^6 mixture, minibatches of 1,000: the whole-data ELBO after 1, 2, 3 epochs against
    the full-batch VMP ELBO of part 1.

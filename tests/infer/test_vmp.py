@@ -2,7 +2,7 @@
 vectorisation over plates, and every error of the issue's "bad input" list.
 
 Closed forms are written out here independently of the package. The comparison with an independent
-implementation (BayesPy) is in tests/test_bayespy.py, minibatches in tests/test_stochastic.py.
+implementation (BayesPy) is in tests/infer/test_bayespy.py, minibatches in tests/infer/test_stochastic.py.
 """
 
 import math

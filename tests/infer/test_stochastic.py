@@ -1,6 +1,6 @@
 """Stochastic VI with minibatches (``numpyro_blr.infer.svi``): the minibatch declared by ``numpyro.plate(...,
 subsample_size=...)``, streamed and index-sampled minibatches agree, it reaches full-batch VMP's bound, and a
-missing or wrong plate scale raises. The comparison with BayesPy's stochastic VI is in tests/test_bayespy.py."""
+missing or wrong plate scale raises. The comparison with BayesPy's stochastic VI is in tests/infer/test_bayespy.py."""
 
 import jax
 import jax.numpy as jnp
