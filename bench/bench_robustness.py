@@ -276,6 +276,14 @@ def main():
     silent = [f"{r['case']}/{r['guide']}" for r in bad if r["silent"]]
     warned = [f"{r['case']}/{r['guide']}" for r in bad if not r["silent"]]
     print(f"silent failures: {', '.join(silent) if silent else 'none'}")
+    # wall time to NUTS-quality (the matching step's share of the run) against one NUTS chain
+    timed = [r for r in results if isinstance(r["match_at"], int) and math.isfinite(r.get("nuts", float("nan")))]
+    if timed:
+        run = [r["nuts"] / (r["t_run"] * r["match_at"] / args.steps) for r in timed]
+        whole = [r["nuts"] / (r["t_compile"] + r["t_run"] * r["match_at"] / args.steps) for r in timed]
+        print(f"NUTS chain / BLR time to NUTS-quality over {len(timed)} matched run(s): compilation excluded "
+              f"min {min(run):.0f}x, median {float(np.median(run)):.0f}x; compilation included "
+              f"min {min(whole):.2f}x, median {float(np.median(whole)):.2f}x")
     print(f"failures with a warning: {', '.join(warned) if warned else 'none'}")
     for r in results:
         for w in r["warnings"]:

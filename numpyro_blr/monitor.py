@@ -6,6 +6,7 @@ evaluation key at every checkpoint and for every optimizer).
 """
 
 import time
+import warnings
 from typing import NamedTuple
 
 import jax
@@ -39,7 +40,10 @@ def elbo_curve(svi, rng_key, num_steps, *args, checkpoints=None, num_particles=1
     out = []
     for t in range(num_steps + 1):
         if t in checkpoints:
-            out.append(float(evaluate(svi.get_params(state))))
+            with warnings.catch_warnings():  # a checkpoint is not the end of the run: report once, below
+                warnings.simplefilter("ignore", RuntimeWarning)
+                params = svi.get_params(state)
+            out.append(float(evaluate(params)))
         if t < num_steps:
             state, _ = update(state)
     return ELBOCurve(checkpoints, np.asarray(out), svi.get_params(state), state)
