@@ -23,6 +23,7 @@ and ``coords`` add or override them.
 from collections.abc import Mapping
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import xarray as xr
 from arviz_base import dict_to_dataset
@@ -151,7 +152,7 @@ def to_datatree(
         unconstrained space, see :func:`numpyro_blr.diagnostics.log_densities`) in ``sample_stats``;
         needed by :func:`~numpyro_blr.diagnostics.check_fit` and
         :func:`~numpyro_blr.diagnostics.loo_vi`. ``None``: when the guide has a density (not for
-        point masses such as ``AutoDelta``).
+        point masses such as ``AutoDelta``) and every latent site is continuous.
     :raises DiagnosticsError: naming the site: a latent site of the model without draws from the
         guide, no observed site for the log likelihood, dims or coords that do not fit a site.
 
@@ -231,7 +232,10 @@ def to_datatree(
             attrs={"creation_library": "numpyro_blr", "guide": type(guide).__name__},
         )
 
-    use_importance = has_density(guide) if importance is None else bool(importance)
+    # None: when the guide has a density and every latent is continuous (a discrete latent, e.g. a mixture's
+    # assignments from message passing, has no unconstrained space for the ratio)
+    continuous = all(jnp.issubdtype(jnp.result_type(v), jnp.floating) for v in latent_draws.values())
+    use_importance = (has_density(guide) and continuous) if importance is None else bool(importance)
     if use_importance:
         log_p, log_q = log_densities(guide, params, model, latent_draws, *args, **kwargs)
         log_p, log_q = np.asarray(log_p), np.asarray(log_q)

@@ -80,6 +80,18 @@ class Bernoulli:
         return Bernoulli.from_probs(expectation.probs)
 
     @staticmethod
+    def quadrature(expectation, natural=None):
+        r"""Enumeration, exact for every function of :math:`x`: points ``(0, 1)`` (shape ``(2,) + p.shape``) with
+        weights :math:`(1 - p, p)`, affine in :math:`\mu = p`. With ``natural``, :math:`1 - p`'s value is
+        :math:`\sigma(-\lambda)` (no cancellation) and its derivative is still taken through :math:`\mu`."""
+        p = expectation.probs
+        q = 1.0 - p
+        if natural is not None:
+            q = jax.nn.sigmoid(-natural.logits) + (q - jax.lax.stop_gradient(q))
+        points = jnp.stack([jnp.zeros_like(p), jnp.ones_like(p)])
+        return points, jnp.stack([q, p])
+
+    @staticmethod
     def log_partition(natural):
         r"""Sum of :math:`\mathrm{softplus}(\lambda)`."""
         return jnp.sum(jax.nn.softplus(natural.logits))

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpyro.distributions as dist
 from jax.scipy.special import digamma, gammaln
 
-from numpyro_blr.families.dirichlet import dirichlet_from_mean_log
+from numpyro_blr.families.dirichlet import dirichlet_from_mean_log, simplex_two_point
 
 
 class BetaNatural(NamedTuple):
@@ -85,6 +85,15 @@ class Beta:
         """Inverse of :meth:`expectation` (the two-category Dirichlet solver, Minka 2000)."""
         alpha = dirichlet_from_mean_log(jnp.stack([expectation.mu1, expectation.mu2], -1))
         return Beta.to_natural(alpha[..., 0], alpha[..., 1])
+
+    @staticmethod
+    def quadrature(expectation, natural=None):
+        r"""A two-point rule exact for every function affine in :math:`(\log x, \log(1-x))`, elementwise: the
+        two-category case of :func:`~numpyro_blr.families.dirichlet.simplex_two_point` on :math:`(x, 1-x)`.
+        ``(points, weights)``, points of shape ``(2,) + mu1.shape``, weights ``(1/2, 1/2)``."""
+        del natural
+        plus, minus = simplex_two_point(jnp.stack([expectation.mu1, expectation.mu2], -1))
+        return jnp.stack([plus[..., 0], minus[..., 0]]), jnp.full((2,), 0.5, plus.dtype)
 
     @staticmethod
     def log_partition(natural):

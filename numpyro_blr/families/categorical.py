@@ -91,6 +91,20 @@ class Categorical:
         return CategoricalNatural(jnp.log(p) - jnp.log(last))
 
     @staticmethod
+    def quadrature(expectation, natural=None):
+        r"""Enumeration, exact for every function of :math:`x`: points :math:`0, \dots, K-1` (shape ``(K,) + batch``,
+        integer) with weights :math:`p_k` (shape ``(K,) + batch``), affine in :math:`\mu = p_{:K-1}`. With ``natural``,
+        :math:`p_{K-1} = 1 - \sum_k \mu_k`'s value is the softmax's (no cancellation), its derivative through :math:`\mu`."""
+        p = expectation.probs
+        last = 1.0 - jnp.sum(p, -1)
+        if natural is not None:
+            last = Categorical.probs(natural)[..., -1] + (last - jax.lax.stop_gradient(last))
+        k = p.shape[-1] + 1
+        weights = jnp.moveaxis(jnp.concatenate([p, last[..., None]], -1), -1, 0)
+        points = jnp.broadcast_to(jnp.arange(k).reshape((k,) + (1,) * (p.ndim - 1)), weights.shape)
+        return points, weights
+
+    @staticmethod
     def log_partition(natural):
         r"""Sum over the batch of :math:`\log(1 + \sum_k e^{\lambda_k})`."""
         return jnp.sum(jax.nn.logsumexp(_full_logits(natural.eta), -1))

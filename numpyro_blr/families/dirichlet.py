@@ -99,6 +99,42 @@ def dirichlet_from_mean_log(mu, num_iter=60):
     return jax.lax.fori_loop(0, 4, lambda _, a: newton(a, False), alpha)
 
 
+def simplex_two_point(mean_log, num_iter=60):
+    r"""Two points :math:`x_\pm` on the simplex (last axis) with :math:`\tfrac12(\log x_+ + \log x_-) = e`
+    for given :math:`e = \mathbb E[\log x]`: a two-point rule with weights :math:`\tfrac12`, exact for every
+    function affine in :math:`\log x` (a Dirichlet's statistics; a Beta's as the two-category case).
+
+    :math:`x_\pm = \mathrm{softmax}(e \pm s u)` for a fixed non-constant direction :math:`u`; then
+    :math:`\tfrac12(\log x_+ + \log x_-) = e - \tfrac12 F(s)` with
+    :math:`F(s) = \mathrm{LSE}(e + su) + \mathrm{LSE}(e - su)`, which is convex and even in :math:`s`, negative
+    at 0 (:math:`\sum_k e^{e_k} < 1`, Jensen) and unbounded, so :math:`F(s) = 0` has one root :math:`s > 0`.
+    Newton's method from the right of it (:math:`s_0 = -(e_i + e_j)/(u_i - u_j)` for the largest and smallest
+    :math:`u`, where :math:`F \ge 0`) decreases monotonically to it. One last Newton step with the derivative
+    held fixed carries the implicit-function derivative :math:`\partial s/\partial e = -F_e/F_s`, so that
+    autodiff through the points is exact. Returns ``(x_plus, x_minus)``.
+    """
+    k = mean_log.shape[-1]
+    u = (jnp.arange(k, dtype=mean_log.dtype) - 0.5 * (k - 1)) / max(0.5 * (k - 1), 0.5)
+
+    def value_and_slope(s, e):
+        lp, lm = e + s[..., None] * u, e - s[..., None] * u
+        f = jax.nn.logsumexp(lp, -1) + jax.nn.logsumexp(lm, -1)
+        slope = jnp.sum(u * (jax.nn.softmax(lp, -1) - jax.nn.softmax(lm, -1)), -1)
+        return f, slope
+
+    e0 = jax.lax.stop_gradient(mean_log)
+    s0 = -(e0[..., -1] + e0[..., 0]) / (u[-1] - u[0]) + 1e-3
+
+    def body(_, s):
+        f, slope = value_and_slope(s, e0)
+        return jnp.maximum(s - f / slope, 0.0)
+
+    s = jax.lax.fori_loop(0, num_iter, body, s0)
+    f, slope = value_and_slope(s, mean_log)
+    s = s - f / jax.lax.stop_gradient(slope)
+    return jax.nn.softmax(mean_log + s[..., None] * u, -1), jax.nn.softmax(mean_log - s[..., None] * u, -1)
+
+
 class Dirichlet:
     r"""Dirichlet family :math:`\mathrm{Dir}(\alpha)` over the last axis of ``concentration``."""
 
@@ -140,6 +176,15 @@ class Dirichlet:
     def from_expectation(expectation):
         """Inverse of :meth:`expectation` (:func:`dirichlet_from_mean_log`)."""
         return Dirichlet.to_natural(dirichlet_from_mean_log(expectation.mu))
+
+    @staticmethod
+    def quadrature(expectation, natural=None):
+        r"""A two-point rule exact for every function affine in :math:`\log x` (:func:`simplex_two_point`):
+        ``(points, weights)`` with points of shape ``(2,) + mu.shape`` on the simplex and weights ``(1/2, 1/2)``.
+        The points are functions of the expectation parameters (``natural`` is not needed)."""
+        del natural
+        plus, minus = simplex_two_point(expectation.mu)
+        return jnp.stack([plus, minus]), jnp.full((2,), 0.5, plus.dtype)
 
     @staticmethod
     def log_partition(natural):

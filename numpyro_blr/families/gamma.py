@@ -86,6 +86,16 @@ def _inverse_digamma_minus_log(s, num_iter=12):
     return jax.lax.fori_loop(0, num_iter, body, a)
 
 
+def log_minus_digamma(a):
+    r""":math:`\log a - \psi(a) > 0` without cancellation for large :math:`a` (asymptotic series from 10 on:
+    :math:`\tfrac{1}{2a} + \tfrac{1}{12a^2} - \tfrac{1}{120a^4} + \tfrac{1}{252a^6}`)."""
+    small = jnp.minimum(a, 10.0)
+    big = jnp.maximum(a, 10.0)
+    inv2 = 1.0 / big**2
+    series = 0.5 / big + inv2 * (1.0 / 12.0 - inv2 * (1.0 / 120.0 - inv2 / 252.0))
+    return jnp.where(a < 10.0, jnp.log(small) - digamma(small), series)
+
+
 class Gamma:
     r"""Gamma family :math:`\prod_i \mathrm{Gamma}(a_i, b_i)` (shape ``a`` = concentration, ``b`` = rate)."""
 
@@ -131,6 +141,24 @@ class Gamma:
         s = jnp.log(expectation.mu2) - expectation.mu1
         a = _inverse_digamma_minus_log(s)
         return Gamma.to_natural(a, a / expectation.mu2)
+
+    @staticmethod
+    def quadrature(expectation, natural=None):
+        r"""A two-point rule exact for every function affine in :math:`T(x) = (\log x, x)`, elementwise:
+        :math:`x_\pm = m(1 \pm r)` with weights :math:`\tfrac12`, :math:`m = \mathbb E[x]`,
+        :math:`r = \sqrt{1 - e^{-2d}}`, :math:`d = \log\mathbb E[x] - \mathbb E[\log x] > 0` (Jensen), so that
+        :math:`\tfrac12(\log x_+ + \log x_-) = \log m - d` and :math:`\tfrac12(x_+ + x_-) = m`.
+        Returns ``(points, weights)``, points of shape ``(2,) + m.shape``. The points are functions of the
+        expectation parameters; with ``natural``, :math:`d`'s value is :math:`\log a - \psi(a)`
+        (:func:`log_minus_digamma`, no cancellation for a large shape) and its derivative is taken through them.
+        """
+        m = expectation.mu2
+        d = jnp.log(m) - expectation.mu1
+        if natural is not None:
+            a, _ = Gamma.from_natural(natural)
+            d = log_minus_digamma(a) + (d - jax.lax.stop_gradient(d))
+        r = jnp.sqrt(-jnp.expm1(-2.0 * d))
+        return jnp.stack([m * (1.0 + r), m * (1.0 - r)]), jnp.full((2,), 0.5, m.dtype)
 
     @staticmethod
     def log_partition(natural):

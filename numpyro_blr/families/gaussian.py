@@ -41,6 +41,11 @@ class GaussianExpectation(NamedTuple):
     mu2: jax.Array
 
 
+def _solve(matrix, vector):
+    """``matrix^-1 vector`` over the last axes; leading axes are a batch."""
+    return jnp.linalg.solve(matrix, vector[..., None])[..., 0]
+
+
 def precision_to_scale_tril(precision):
     r"""Lower Cholesky factor :math:`L` of :math:`S^{-1}` from the precision :math:`S`, with one Cholesky.
 
@@ -65,6 +70,23 @@ def scale_tril_to_precision(scale_tril):
 
 class DiagonalGaussian:
     r"""Mean-field Gaussian :math:`\prod_i \mathcal{N}(m_i, 1/p_i)`, elementwise over arrays of any shape."""
+
+    Natural = GaussianNatural
+    Expectation = GaussianExpectation
+
+    @staticmethod
+    def sufficient_statistics(x):
+        r""":math:`T(x) = (x,\ x^2)` elementwise, in the layout of the expectation parameters."""
+        return GaussianExpectation(x, x * x)
+
+    @staticmethod
+    def to_numpyro(mean, precision):
+        return dist.Normal(mean, jax.lax.rsqrt(precision))
+
+    @staticmethod
+    def from_numpyro(d):
+        """``(mean, precision)`` of a NumPyro ``Normal`` (elementwise)."""
+        return d.loc, 1.0 / d.scale**2
 
     @staticmethod
     def to_natural(mean, precision):
@@ -118,12 +140,13 @@ class FullGaussian:
 
     @staticmethod
     def to_natural(mean, precision):
-        return GaussianNatural(precision @ mean, -0.5 * precision)
+        """Natural parameters; leading axes of ``mean`` (``(..., D)``) and ``precision`` (``(..., D, D)``) are a batch."""
+        return GaussianNatural(jnp.einsum("...ij,...j->...i", precision, mean), -0.5 * precision)
 
     @staticmethod
     def sufficient_statistics(x):
-        r""":math:`T(x) = (x,\ x x^\top)`, in the layout of the expectation parameters."""
-        return GaussianExpectation(x, jnp.outer(x, x))
+        r""":math:`T(x) = (x,\ x x^\top)` over the last axis, in the layout of the expectation parameters."""
+        return GaussianExpectation(x, x[..., :, None] * x[..., None, :])
 
     @staticmethod
     def to_numpyro(mean, precision):
@@ -140,28 +163,53 @@ class FullGaussian:
     @staticmethod
     def from_natural(natural):
         precision = -2.0 * natural.eta2
-        return jnp.linalg.solve(precision, natural.eta1), precision
+        return _solve(precision, natural.eta1), precision
 
     @staticmethod
     def expectation(natural):
         mean, precision = FullGaussian.from_natural(natural)
-        return GaussianExpectation(mean, jnp.outer(mean, mean) + jnp.linalg.inv(precision))
+        return GaussianExpectation(mean, mean[..., :, None] * mean[..., None, :] + jnp.linalg.inv(precision))
 
     @staticmethod
     def from_expectation(expectation):
         mean = expectation.mu1
-        precision = jnp.linalg.inv(expectation.mu2 - jnp.outer(mean, mean))
+        precision = jnp.linalg.inv(expectation.mu2 - mean[..., :, None] * mean[..., None, :])
         return FullGaussian.to_natural(mean, precision)
 
     @staticmethod
     def log_partition(natural):
+        r""":math:`A(\lambda)`, summed over leading (batch) axes."""
         neg2eta2 = -2.0 * natural.eta2
         d = natural.eta1.shape[-1]
-        quad = natural.eta1 @ jnp.linalg.solve(neg2eta2, natural.eta1)
-        return 0.5 * quad - 0.5 * jnp.linalg.slogdet(neg2eta2)[1] + 0.5 * d * _LOG_2PI
+        quad = jnp.einsum("...i,...i->...", natural.eta1, _solve(neg2eta2, natural.eta1))
+        return jnp.sum(0.5 * quad - 0.5 * jnp.linalg.slogdet(neg2eta2)[1] + 0.5 * d * _LOG_2PI)
+
+    @staticmethod
+    def quadrature(expectation, natural=None):
+        r"""A quadrature rule exact for every function that is quadratic in :math:`x` (affine in :math:`T(x)`):
+        the :math:`2D` points :math:`m \pm \sqrt{D} L e_i` (:math:`LL^\top = \Sigma`) with weights :math:`1/(2D)`,
+        so that :math:`\sum_j w_j T(x_j) = \mu` (the degree-3 spherical cubature rule of Arasaratnam & Haykin 2009).
+        Returns ``(points, weights)``: ``points`` of shape ``(2D,) + mean.shape``, ``weights`` of shape ``(2D,)``.
+
+        The points are functions of the expectation parameters, so that autodiff through them gives
+        :math:`\nabla_\mu`; with ``natural`` the covariance's *value* is :math:`S^{-1}` (no cancellation in
+        :math:`\mu_2 - \mu_1\mu_1^\top`) while its derivative is still taken through :math:`\mu`.
+        """
+        mean = expectation.mu1
+        cov = expectation.mu2 - mean[..., :, None] * mean[..., None, :]
+        if natural is not None:
+            stable = jnp.linalg.inv(-2.0 * natural.eta2)
+            cov = stable + (cov - jax.lax.stop_gradient(cov))
+        cov = 0.5 * (cov + jnp.swapaxes(cov, -1, -2))
+        chol = jnp.linalg.cholesky(cov)
+        d = mean.shape[-1]
+        u = math.sqrt(d) * jnp.concatenate([jnp.eye(d, dtype=mean.dtype), -jnp.eye(d, dtype=mean.dtype)])
+        points = mean[None] + jnp.einsum("pj,...ij->p...i", u, chol)
+        return points, jnp.full((2 * d,), 1.0 / (2 * d), mean.dtype)
 
     @staticmethod
     def entropy(precision):
+        """Entropy per leading (batch) index of ``precision``."""
         d = precision.shape[-1]
         return 0.5 * d * (_LOG_2PI + 1.0) - 0.5 * jnp.linalg.slogdet(precision)[1]
 

@@ -13,6 +13,7 @@ NumPyro distribution) live in its class.
 from dataclasses import dataclass
 from typing import Callable, Optional
 
+import jax.numpy as jnp
 import numpy as np
 import numpyro.distributions as dist
 from numpyro.distributions import constraints
@@ -152,3 +153,47 @@ def prior_names():
     """The supported priors, for error messages (``Bernoulli`` for ``BernoulliProbs``/``BernoulliLogits``)."""
     names = [cls.__name__.replace("Probs", "").replace("Logits", "") for info in FAMILIES.values() for cls in info.priors]
     return ", ".join(dict.fromkeys(names))
+
+
+# ----------------------------------------------------------------------------------------------
+# Likelihoods: a NumPyro distribution as an exponential family in its *value*
+# ----------------------------------------------------------------------------------------------
+#: NumPyro distribution classes whose log density is <eta, T(x)> - A(eta) with base measure 1 in the
+#: family's statistics: class -> (family, whether the family is elementwise over batch and event axes)
+LIKELIHOODS = (
+    (dist.Normal, DiagonalGaussian, True),
+    (dist.MultivariateNormal, FullGaussian, False),
+    ((dist.Gamma, dist.Exponential), Gamma, True),
+    (dist.Beta, Beta, True),
+    (dist.Dirichlet, Dirichlet, False),
+    ((dist.BernoulliProbs, dist.BernoulliLogits), Bernoulli, True),
+    ((dist.CategoricalProbs, dist.CategoricalLogits), Categorical, False),
+)
+
+
+def exponential_form(d):
+    r"""``(family, natural, statistics)`` of the NumPyro distribution ``d`` (without wrappers) read as an
+    exponential family in its value, :math:`\log p(x) = \langle\eta, T(x)\rangle - A(\eta)` with base measure 1,
+    or None if ``d``'s class is not in :data:`LIKELIHOODS`.
+
+    ``natural`` is the family's natural NamedTuple with every array of shape
+    ``d.batch_shape + d.event_shape + extra`` (``extra`` the statistic's own axes: ``(D,)`` for a dense
+    Gaussian's second one, ``(K-1,)`` for a Categorical); ``statistics(x)`` is :math:`T(x)` in the same layout
+    and ``family.log_partition(natural)`` is :math:`\sum A` over all of ``d``'s elements. Used by message
+    passing (:mod:`numpyro_blr.infer`) to factorise a likelihood's expectation through :math:`T(x)`.
+    """
+    for classes, family, elementwise in LIKELIHOODS:
+        if isinstance(d, classes):
+            break
+    else:
+        return None
+    user = family.from_numpyro(d)
+    user = user if isinstance(user, tuple) else (user,)
+    natural = family.to_natural(*user)
+    full = tuple(d.batch_shape) + tuple(d.event_shape)
+    if elementwise:
+        natural = type(natural)(*[jnp.broadcast_to(a, full) for a in natural])
+    if family is Categorical:
+        k = natural.eta.shape[-1] + 1
+        return family, natural, lambda x: family.sufficient_statistics(x, k)
+    return family, natural, family.sufficient_statistics

@@ -362,3 +362,39 @@ def test_plain_update_can_leave_the_domain():
     bad = Gamma.Expectation(jnp.array(50.0), jnp.array(-50.0))
     assert not bool(Gamma.is_valid(Gamma.blr_update(lam, bad, 0.5, improved=False)))
     assert bool(Gamma.is_valid(Gamma.blr_update(lam, bad, 0.5, improved=True)))
+
+
+def test_quadrature_rules_are_exact_for_the_statistics():
+    """Each family's quadrature rule (message passing's expectations): sum_j w_j T(x_j) = mu, and autodiff through
+    the rule gives grad_mu of E_q[c . T(x)] = c exactly (float64), also far from the defaults (large shapes)."""
+    with jax.enable_x64(True):
+        rng = np.random.default_rng(0)
+        a = rng.normal(size=(3, 4, 4))
+        cases = [
+            (FullGaussian, FullGaussian.to_natural(jnp.asarray(rng.normal(size=(3, 4))), jnp.asarray(a @ a.transpose(0, 2, 1) + np.eye(4)))),
+            (Gamma, Gamma.to_natural(jnp.array([0.3, 5.0, 1e6]), jnp.array([2.0, 1.0, 3.0]))),
+            (Beta, Beta.to_natural(jnp.array([1.0, 0.1, 100.0]), jnp.array([1.0, 0.1, 1.0]))),
+            (Dirichlet, Dirichlet.to_natural(jnp.array([[0.1, 2.0, 30.0, 1e-2], [500.0, 500.0, 500.0, 500.0]]))),
+            (Bernoulli, Bernoulli.to_natural(jnp.array([-3.0, 0.0, 20.0]))),
+            (Categorical, Categorical.to_natural(jnp.array([[0.0, 1.0, -2.0], [5.0, 0.0, 0.0]]))),
+        ]
+        for fam, nat in cases:
+            mu = fam.expectation(nat)
+            coef = fam.Expectation(*[jnp.asarray(rng.normal(size=m.shape)) for m in mu])
+            if fam is FullGaussian:  # E[x x^T] is symmetric: only the symmetric part of its coefficient is seen
+                coef = coef._replace(mu2=0.5 * (coef.mu2 + jnp.swapaxes(coef.mu2, -1, -2)))
+
+            def expected(m, fam=fam, nat=nat, coef=coef):
+                points, w = fam.quadrature(fam.Expectation(*m), nat)
+                if fam is Categorical:
+                    stats = fam.sufficient_statistics(points, 3)
+                else:
+                    stats = fam.sufficient_statistics(points)
+                means = [jnp.sum(w.reshape(w.shape + (1,) * (t.ndim - w.ndim)) * t, 0) for t in stats]
+                return sum(jnp.sum(c * m) for c, m in zip(coef, means)), means
+
+            (value, means), grad = jax.value_and_grad(expected, has_aux=True)(tuple(mu))
+            for got, want in zip(means, mu):
+                np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-12)
+            for got, want in zip(grad, coef):
+                np.testing.assert_allclose(got, want, rtol=1e-7, atol=1e-9)
