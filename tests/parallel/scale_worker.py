@@ -257,6 +257,61 @@ def check_mixture_svi(steps=150, batch=256):
     return {"max_diff": max_diff(fits["one"], fits["four"]), "scale": max_scale(fits["one"]), "locs": locs.tolist()}
 
 
+def vmp_mixture_model(y, size):
+    """A three-component Gaussian mixture for numpyro_blr.infer.svi (conjugate: Dirichlet weights, Normal means,
+    Gamma precisions, explicit assignments), streamed: ``y`` is the minibatch, ``size`` the plate's full size N."""
+    w = numpyro.sample("w", dist.Dirichlet(jnp.ones(3)))
+    with numpyro.plate("k", 3):
+        mu = numpyro.sample("mu", dist.Normal(0.0, 10.0))
+        tau = numpyro.sample("tau", dist.Gamma(1.0, 1.0))
+    with numpyro.plate("n", size, subsample_size=y.shape[0]):
+        z = numpyro.sample("z", dist.Categorical(w))
+        numpyro.sample("y", dist.Normal(mu[z], 1.0 / jnp.sqrt(tau[z])), obs=y)
+
+
+def check_mixture_message_passing_svi(steps=80, batch=256):
+    """The message-passing stochastic VI (numpyro_blr.infer.svi, streamed minibatches) of a Gaussian mixture,
+    1 device vs 4: the same minibatches in the same order, each placed with nb.shard_data (split along the
+    plate), the state replicated. Measures the fits' difference and the all-reduces of one compiled step."""
+    import re
+
+    from numpyro_blr.infer import svi
+
+    data = mixture_data()
+    n = data.shape[0]
+    rng = np.random.default_rng(0)
+    order = [rng.choice(n, batch, replace=False) for _ in range(steps)]
+    init = {"mu": dist.Normal(jnp.array([-3.0, 0.0, 3.0]), 1.0)}
+    fits, out = {}, {}
+    for name, mesh in (("one", mesh1()), ("four", mesh4())):
+        algo = svi(vmp_mixture_model, data[order[0]], n, kappa=0.7, tau=1.0)
+        state = nb.replicate(mesh, algo.init(init=init))
+        for i in range(steps):
+            state, info = algo.step(None, state, nb.shard_data(mesh, data[order[i]]), n)
+        post = algo.posterior(state)
+        fits[name] = {"natural": state.natural, "elbo": float(state.elbo),
+                      "means": {k: np.asarray(d.mean) for k, d in post.items()}}
+    eng = algo.engine
+    jitted, args = eng.jitted.jitted, (eng.graph.data(), dict(eng.graph.plate_values), state)
+    counts = nb.collective_counts(jitted, *args)
+    text = jitted.lower(*args).compile().as_text()
+    one, four = fits["one"], fits["four"]
+    rel = [float(np.max(np.abs(np.asarray(a) - np.asarray(b))) / max(1.0, float(np.max(np.abs(np.asarray(a))))))
+           for a, b in zip(jax.tree.leaves(one["natural"]), jax.tree.leaves(four["natural"]))]
+    out.update({
+        "max_diff": max_diff(one["means"], four["means"]), "scale": max_scale(one["means"]),
+        "natural_rel_diff": max(rel), "elbo_one": one["elbo"], "elbo_four": four["elbo"],
+        "locs": np.sort(one["means"]["mu"]).tolist(),
+        "component_means": [float(data[np.random.default_rng(0).integers(0, 3, n) == k].mean()) for k in range(3)],
+        "state_specs": sorted({str(x.sharding.spec) for x in jax.tree.leaves(state.natural)}),
+        "all_reduce": counts["all-reduce"], "where": counts["where"],
+        "all_reduce_shapes": [re.sub(r"/\*.*?\*/", "", line.split(" = ", 1)[1].split(" all-reduce", 1)[0])
+                              for line in text.splitlines() if re.search(r"\sall-reduce(?:-start)?\(", line)],
+        "other": sum(counts[c] for c in nb.parallel.COLLECTIVES[1:]),
+    })
+    return out
+
+
 def check_collectives():
     """All-reduces in the optimised HLO of one data-parallel step (4 devices)."""
     X, y = breast_cancer()
