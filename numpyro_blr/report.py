@@ -2,7 +2,8 @@ r"""What a :class:`~numpyro_blr.BLR` run says about itself: :func:`fit_report`.
 
 Every BLR step updates a :class:`FitTrace` (:func:`next_trace`) in the optimizer state (fixed-shape
 arrays, no host round-trip). At the end of ``SVI.run`` (or on the caller's ``svi.get_params``)
-``BLR.get_params`` turns it into a report and warns once about each problem it finds, naming the
+``BLR.get_params`` turns it into a report and warns about each problem it finds (Python's default
+filter shows a message once; the messages carry the step count), naming the
 parameters (and, with the guide, the sites) concerned and the one change that fixes it:
 
 * **skipped steps**: a non-finite loss, gradient or update; the step kept the last finite values
