@@ -81,20 +81,29 @@ def step_functions():
     return fns
 
 
-def bench_steps(rounds=9):
-    fns = step_functions()
+def alternating_medians(fns, rounds):
+    """Median seconds per step of each ``name -> (jitted step, carry)``, the steps timed in turn in each
+    of ``rounds`` rounds (so a change of machine load falls on all of them alike)."""
     times = {k: [] for k in fns}
     for _ in range(rounds):
         for k, (f, c) in list(fns.items()):
             t, c = time_steps(f, c)
             fns[k] = (f, c)
             times[k].append(t)
-    med = {k: statistics.median(v) for k, v in times.items()}
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def print_ratios(med, rounds, note="", width=32):
     ta = med["optax.adamw step"]
     print(f"MLP {SIZES}, batch {BATCH}, {jax.device_count()} {jax.default_backend()} device(s); "
-          f"median of {rounds} alternating rounds of 300 steps")
+          f"median of {rounds} alternating rounds of 300 steps{note}")
     for k, t in med.items():
-        print(f"  {k:<32} {1e3 * t:7.3f} ms   {t / ta:5.2f} x adamw")
+        print(f"  {k:<{width}} {1e3 * t:7.3f} ms   {t / ta:5.2f} x adamw")
+
+
+def bench_steps(rounds=9):
+    med = alternating_medians(step_functions(), rounds)
+    print_ratios(med, rounds)
     return med
 
 

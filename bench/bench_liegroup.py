@@ -17,9 +17,7 @@ additive rule's with accuracy within 1 point, and the affine rule's model-averag
 
 import argparse
 import os
-import statistics
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
@@ -27,19 +25,12 @@ import numpyro.distributions as dist
 import optax
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
-from digits_ivon import BATCH, SIZES, init_mlp, load_data, loss_fn  # noqa: E402
+from digits_ivon import BATCH, init_mlp, load_data, loss_fn  # noqa: E402
 
 import numpyro_blr as nb  # noqa: E402
 
-
-def time_steps(step, carry, n=300):
-    carry = step(carry)
-    jax.block_until_ready(carry)
-    t0 = time.perf_counter()
-    for _ in range(n):
-        carry = step(carry)
-    jax.block_until_ready(carry)
-    return (time.perf_counter() - t0) / n, carry
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_ivon import alternating_medians, print_ratios  # noqa: E402
 
 
 def step_functions():
@@ -86,19 +77,8 @@ def step_functions():
 
 
 def bench_steps(rounds=9):
-    fns = step_functions()
-    times = {k: [] for k in fns}
-    for _ in range(rounds):
-        for k, (f, c) in list(fns.items()):
-            t, c = time_steps(f, c)
-            fns[k] = (f, c)
-            times[k].append(t)
-    med = {k: statistics.median(v) for k, v in times.items()}
-    ta = med["optax.adamw step"]
-    print(f"MLP {SIZES}, batch {BATCH}, {jax.device_count()} {jax.default_backend()} device(s); "
-          f"median of {rounds} alternating rounds of 300 steps (one sample per Lie-group step)")
-    for k, t in med.items():
-        print(f"  {k:<42} {1e3 * t:7.3f} ms   {t / ta:5.2f} x adamw")
+    med = alternating_medians(step_functions(), rounds)
+    print_ratios(med, rounds, " (one sample per Lie-group step)", width=42)
     return med
 
 
