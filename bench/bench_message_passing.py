@@ -19,7 +19,9 @@ Run: python bench/bench_message_passing.py [--quick] [--bayespy-full]   (--quick
 """
 
 import argparse
+import os
 import resource
+import sys
 import time
 import warnings
 
@@ -34,7 +36,9 @@ import numpyro.distributions as dist  # noqa: E402
 
 from numpyro_blr.infer import ncvmp, svi, vmp  # noqa: E402
 
-K, D = 20, 5
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
+from stochastic_vi import D, K  # noqa: E402  (the mixture of the example: Dirichlet, Normal, Gamma, Categorical)
+from stochastic_vi import model as mixture_model  # noqa: E402
 
 
 def mixture(n, seed=0):
@@ -54,16 +58,6 @@ def seeded_means(y, rng):
     return np.array(c)
 
 
-def gmm(y, batch=None):
-    w = numpyro.sample("w", dist.Dirichlet(jnp.ones(K)))
-    with numpyro.plate("k", K):
-        mu = numpyro.sample("mu", dist.Normal(0.0, 10.0).expand([D]).to_event(1))
-        tau = numpyro.sample("tau", dist.Gamma(1.0, 1.0).expand([D]).to_event(1))
-    with numpyro.plate("n", y.shape[0], subsample_size=batch) as idx:
-        z = numpyro.sample("z", dist.Categorical(w))
-        numpyro.sample("y", dist.Normal(mu[z], 1.0 / jnp.sqrt(tau[z])).to_event(1), obs=y[idx])
-
-
 def rss_gb():
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6
 
@@ -72,7 +66,7 @@ def ours(y, m0, max_sweeps=2000):
     """Cold: construction (tracing, the conjugacy checks), init, the sweep's compilation, then ``run`` to the
     tolerance. ``per_sweep``: 5 more sweeps of the compiled step, timed alone (the steady cost of a sweep)."""
     t0 = time.perf_counter()
-    algo = vmp(gmm, jnp.asarray(y), order=("z", "w", "mu", "tau"))
+    algo = vmp(mixture_model, jnp.asarray(y), order=("z", "w", "mu", "tau"))
     state = algo.init(init={"mu": dist.Normal(jnp.asarray(m0), 1.0).to_event(1)})
     t1 = time.perf_counter()
     jax.block_until_ready(algo.step(None, state))  # compile
@@ -151,7 +145,7 @@ def part2(full):
     y, m0, vmp_elbo = full
     n, batch = len(y), 1000
     print(f"\n2. Stochastic VI, N = {n:,}, minibatches of {batch}, rho_t = (t + 1)^-0.7, same initialisation as part 1")
-    algo = svi(gmm, jnp.asarray(y), batch, kappa=0.7, tau=1.0)
+    algo = svi(mixture_model, jnp.asarray(y), batch, kappa=0.7, tau=1.0)
     state = algo.init(init={"mu": dist.Normal(jnp.asarray(m0), 1.0).to_event(1)})
     key = jax.random.PRNGKey(0)
     spent = 0.0
