@@ -60,7 +60,7 @@ from numpyro.optim import _value_and_grad
 
 from numpyro_blr.layout import GuideLayoutError, Layout
 from numpyro_blr.rules import liegroup as lie
-from numpyro_blr.svi import GuideAlgorithm, GuideOptimizer, GuideStep
+from numpyro_blr.svi import GuideAlgorithm, GuideOptimizer, GuideStep, commit_if_finite, skipped_report
 
 GUIDE_GROUPS = ("affine", "additive", "multiplicative")
 _GUIDES = weakref.WeakSet()  # live LieGroupGuides: LieGroupBLR finds its guide among them by parameter names
@@ -425,19 +425,9 @@ def liegroup_guide_algorithm(lr, scale_lr=None, momentum=0.0, scale_momentum=0.0
                 checked[n] = (grads[n], new_params[n], mom[n])
         return GuideStep(loss, aux, grads, new_params, LieSVIState(mom, s.count + 1), checked)
 
-    def commit(old, new, ok):
-        return jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)
-
-    def report(state, optimizer):
-        i, s = state
-        if int(s.skipped):
-            bad = sorted(k for k, v in s.nonfinite.items() if bool(v))
-            return [(("skipped", int(i)), f"LieGroupBLR skipped {int(s.skipped)} of {int(i)} steps because of a non-finite "
-                     f"loss, gradient or update, for parameter(s) {bad}; those steps kept the last finite values. Pass a "
-                     "smaller lr (or scale_lr), or check the model's log density at the current guide.")]
-        return []
-
-    return GuideAlgorithm("LieGroupBLR", init, step, commit, report, read_layout=read_layout)
+    report = skipped_report("LieGroupBLR", "Pass a smaller lr (or scale_lr), or check the model's log density at the "
+                                           "current guide.")
+    return GuideAlgorithm("LieGroupBLR", init, step, commit_if_finite, report, read_layout=read_layout)
 
 
 class LieGroupBLR(GuideOptimizer):
