@@ -71,6 +71,15 @@ def _is_real(support):
     return base is constraints.real
 
 
+def _act(group, values, xi):
+    r"""The group element (the site's ``values``) applied to :math:`\xi`: :math:`b + A\xi`, :math:`b + \xi` or :math:`g\xi`."""
+    if group == "affine":
+        return values["loc"] + values["scale"] * xi
+    if group == "additive":
+        return values["loc"] + xi
+    return values["scale"] * xi
+
+
 class LieGroupGuide(AutoGuide):
     r"""A mean-field guide whose sites are push-forwards of a base distribution by a Lie group (module docstring).
 
@@ -280,13 +289,7 @@ class LieGroupGuide(AutoGuide):
             v = self._values(name, params)
             ref = v["scale"] if info["group"] != "additive" else v["loc"]
             z = lie.base_quantile(info["base"], q).reshape((-1,) + (1,) * jnp.ndim(ref))
-            if info["group"] == "affine":
-                x = v["loc"] + v["scale"] * z
-            elif info["group"] == "additive":
-                x = v["loc"] + z
-            else:
-                x = v["scale"] * z
-            latent[name] = self._to_unconstrained(name, x)
+            latent[name] = self._to_unconstrained(name, _act(info["group"], v, z))
         return self._constrain(latent)
 
     def median(self, params):
@@ -298,13 +301,8 @@ class LieGroupGuide(AutoGuide):
         self._check()
         latent = {}
         for name, info in self._sites.items():
-            v, mu = self._values(name, params), lie.base_mean(info["base"])
-            if info["group"] == "affine":
-                latent[name] = v["loc"] + v["scale"] * mu
-            elif info["group"] == "additive":
-                latent[name] = v["loc"] + mu
-            else:
-                latent[name] = jnp.log(v["scale"] * mu)
+            mu = lie.base_mean(info["base"])
+            latent[name] = self._to_unconstrained(name, _act(info["group"], self._values(name, params), mu))
         return self._constrain(latent)
 
     def blocks(self, params):
