@@ -58,17 +58,13 @@ from numpyro.infer.initialization import init_to_median
 from numpyro.distributions.util import periodic_repeat
 from numpyro.optim import _value_and_grad
 
+from numpyro_blr.families.registry import base_support
 from numpyro_blr.layout import GuideLayoutError, Layout
 from numpyro_blr.rules import liegroup as lie
 from numpyro_blr.svi import GuideAlgorithm, GuideOptimizer, GuideStep, commit_if_finite, skipped_report
 
 GUIDE_GROUPS = ("affine", "additive", "multiplicative")
 _GUIDES = weakref.WeakSet()  # live LieGroupGuides: LieGroupBLR finds its guide among them by parameter names
-
-
-def _is_real(support):
-    base = lie._base_support(support)
-    return base is constraints.real
 
 
 def _act(group, values, xi):
@@ -222,7 +218,7 @@ class LieGroupGuide(AutoGuide):
         """The guide distribution of the site's value (in its support)."""
         info = self._sites[name]
         d = self._latent_dist(name, values)
-        if info["group"] == "multiplicative" or _is_real(info["support"]):
+        if info["group"] == "multiplicative" or base_support(info["support"]) is constraints.real:
             return d
         return dist.TransformedDistribution(d.base_dist, d.transforms + [biject_to(info["support"])])
 

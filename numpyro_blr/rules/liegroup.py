@@ -77,6 +77,7 @@ import numpyro.distributions as dist
 from numpyro.distributions import constraints
 
 from numpyro_blr.core import StepInfo, check_params, select, value_at
+from numpyro_blr.families.registry import is_positive_support
 from numpyro_blr.tree import FlatLayout
 
 GROUPS = ("additive", "multiplicative", "affine")
@@ -121,23 +122,6 @@ class Rayleigh(dist.Distribution):
     @property
     def variance(self):
         return (2.0 - math.pi / 2) * self.scale**2
-
-
-def _base_support(support):
-    while isinstance(support, constraints.independent):
-        support = support.base_constraint
-    return support
-
-
-def is_positive_support(support):
-    """Whether ``support`` is :math:`(0, \\infty)` (``constraints.positive`` and its subclasses)."""
-    base = _base_support(support)
-    if not isinstance(base, constraints._GreaterThan) or isinstance(base, constraints._GreaterThanEq):
-        return False
-    try:
-        return float(np.max(np.abs(np.asarray(base.lower_bound)))) == 0.0
-    except Exception:  # noqa: BLE001 - a traced bound
-        return False
 
 
 def check_base(base, where, group, positive=False):
