@@ -165,10 +165,6 @@ class Layout:
     blocks: tuple
     other: tuple  # parameter names that are not part of any Gaussian block
 
-    @property
-    def loc_names(self):
-        return tuple(b.loc for b in self.blocks)
-
 
 class GuideLayoutError(ValueError):
     """The optimizer cannot read the guide's parameters as Gaussian blocks."""

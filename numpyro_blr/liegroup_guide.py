@@ -58,17 +58,22 @@ from numpyro.infer.initialization import init_to_median
 from numpyro.distributions.util import periodic_repeat
 from numpyro.optim import _value_and_grad
 
+from numpyro_blr.families.registry import base_support
 from numpyro_blr.layout import GuideLayoutError, Layout
 from numpyro_blr.rules import liegroup as lie
-from numpyro_blr.svi import GuideAlgorithm, GuideOptimizer, GuideStep
+from numpyro_blr.svi import GuideAlgorithm, GuideOptimizer, GuideStep, commit_if_finite, skipped_report
 
 GUIDE_GROUPS = ("affine", "additive", "multiplicative")
 _GUIDES = weakref.WeakSet()  # live LieGroupGuides: LieGroupBLR finds its guide among them by parameter names
 
 
-def _is_real(support):
-    base = lie._base_support(support)
-    return base is constraints.real
+def _act(group, values, xi):
+    r"""The group element (the site's ``values``) applied to :math:`\xi`: :math:`b + A\xi`, :math:`b + \xi` or :math:`g\xi`."""
+    if group == "affine":
+        return values["loc"] + values["scale"] * xi
+    if group == "additive":
+        return values["loc"] + xi
+    return values["scale"] * xi
 
 
 class LieGroupGuide(AutoGuide):
@@ -213,7 +218,7 @@ class LieGroupGuide(AutoGuide):
         """The guide distribution of the site's value (in its support)."""
         info = self._sites[name]
         d = self._latent_dist(name, values)
-        if info["group"] == "multiplicative" or _is_real(info["support"]):
+        if info["group"] == "multiplicative" or base_support(info["support"]) is constraints.real:
             return d
         return dist.TransformedDistribution(d.base_dist, d.transforms + [biject_to(info["support"])])
 
@@ -280,13 +285,7 @@ class LieGroupGuide(AutoGuide):
             v = self._values(name, params)
             ref = v["scale"] if info["group"] != "additive" else v["loc"]
             z = lie.base_quantile(info["base"], q).reshape((-1,) + (1,) * jnp.ndim(ref))
-            if info["group"] == "affine":
-                x = v["loc"] + v["scale"] * z
-            elif info["group"] == "additive":
-                x = v["loc"] + z
-            else:
-                x = v["scale"] * z
-            latent[name] = self._to_unconstrained(name, x)
+            latent[name] = self._to_unconstrained(name, _act(info["group"], v, z))
         return self._constrain(latent)
 
     def median(self, params):
@@ -298,13 +297,8 @@ class LieGroupGuide(AutoGuide):
         self._check()
         latent = {}
         for name, info in self._sites.items():
-            v, mu = self._values(name, params), lie.base_mean(info["base"])
-            if info["group"] == "affine":
-                latent[name] = v["loc"] + v["scale"] * mu
-            elif info["group"] == "additive":
-                latent[name] = v["loc"] + mu
-            else:
-                latent[name] = jnp.log(v["scale"] * mu)
+            mu = lie.base_mean(info["base"])
+            latent[name] = self._to_unconstrained(name, _act(info["group"], self._values(name, params), mu))
         return self._constrain(latent)
 
     def blocks(self, params):
@@ -425,19 +419,9 @@ def liegroup_guide_algorithm(lr, scale_lr=None, momentum=0.0, scale_momentum=0.0
                 checked[n] = (grads[n], new_params[n], mom[n])
         return GuideStep(loss, aux, grads, new_params, LieSVIState(mom, s.count + 1), checked)
 
-    def commit(old, new, ok):
-        return jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)
-
-    def report(state, optimizer):
-        i, s = state
-        if int(s.skipped):
-            bad = sorted(k for k, v in s.nonfinite.items() if bool(v))
-            return [(("skipped", int(i)), f"LieGroupBLR skipped {int(s.skipped)} of {int(i)} steps because of a non-finite "
-                     f"loss, gradient or update, for parameter(s) {bad}; those steps kept the last finite values. Pass a "
-                     "smaller lr (or scale_lr), or check the model's log density at the current guide.")]
-        return []
-
-    return GuideAlgorithm("LieGroupBLR", init, step, commit, report, read_layout=read_layout)
+    report = skipped_report("LieGroupBLR", "Pass a smaller lr (or scale_lr), or check the model's log density at the "
+                                           "current guide.")
+    return GuideAlgorithm("LieGroupBLR", init, step, commit_if_finite, report, read_layout=read_layout)
 
 
 class LieGroupBLR(GuideOptimizer):

@@ -207,22 +207,15 @@ def check_data_sharding(model, *args, **kwargs):
     # eval_shape keeps the arrays abstract: the model's plates are static Python ints
     jax.eval_shape(lambda key, *ls: run(key, *jax.tree.unflatten(tree, ls)[0], **jax.tree.unflatten(tree, ls)[1]),
                    jax.random.PRNGKey(0), *leaves)
-    for i, a in enumerate(args):
+    named = [(f"argument {i} of the model", a) for i, a in enumerate(args)]
+    for what, a in named + [(f"model argument {k!r}", a) for k, a in kwargs.items()]:
         for dim in _sharded_dims(a):
             if a.shape[dim] not in sizes:
                 raise ScaleError(
-                    f"argument {i} of the model (shape {a.shape}) is sharded along dimension {dim} of length "
-                    f"{a.shape[dim]}, which is not a plate of the model (plate sizes: {sorted(sizes) or 'none'}). "
-                    "Data-parallel SVI splits the data along its plate (example) dimension: "
-                    f"nb.shard_data(mesh, ..., axis=<the example axis>) (for an (N, D) design matrix, axis=0)."
-                )
-    for k, a in kwargs.items():
-        for dim in _sharded_dims(a):
-            if a.shape[dim] not in sizes:
-                raise ScaleError(
-                    f"model argument {k!r} (shape {a.shape}) is sharded along dimension {dim} of length {a.shape[dim]}, "
-                    f"which is not a plate of the model (plate sizes: {sorted(sizes) or 'none'}). Shard it along its "
-                    "example (plate) dimension with nb.shard_data(mesh, ..., axis=<the example axis>)."
+                    f"{what} (shape {a.shape}) is sharded along dimension {dim} of length {a.shape[dim]}, which is "
+                    f"not a plate of the model (plate sizes: {sorted(sizes) or 'none'}). Data-parallel SVI splits the "
+                    "data along its plate (example) dimension: nb.shard_data(mesh, ..., axis=<the example axis>) "
+                    "(for an (N, D) design matrix, axis=0)."
                 )
 
 

@@ -120,6 +120,12 @@ def _count(n, name):
     return int(n)
 
 
+def _noise_rng(noise_rng):
+    if noise_rng not in NOISE_RNG:
+        raise ValueError(f"noise_rng must be one of {NOISE_RNG}, got {noise_rng!r}.")
+    return noise_rng
+
+
 def ivon(lr, ess=None, hess_init=1.0, beta1=0.9, beta2=0.99999, weight_decay=1e-4, mc_samples=1,
          hess_approx="price", clip_radius=float("inf"), rescale_lr=True, axis_name=None, vmap_samples=True,
          noise_rng="hash") -> Algorithm:
@@ -134,8 +140,7 @@ def ivon(lr, ess=None, hess_init=1.0, beta1=0.9, beta2=0.99999, weight_decay=1e-
     """
     ess, hess_init = _ess(ess), check_positive(hess_init, "hess_init")
     delta = check_positive(weight_decay, "weight_decay", allow_zero=True)
-    if noise_rng not in NOISE_RNG:
-        raise ValueError(f"noise_rng must be one of {NOISE_RNG}, got {noise_rng!r}.")
+    noise_rng = _noise_rng(noise_rng)
     rule = DiagonalRule(
         _lr(lr), check_fraction(beta1, "beta1"), check_fraction(beta2, "beta2"), "improved", delta,
         clip_radius=check_positive(clip_radius, "clip_radius", allow_inf=True),
@@ -272,12 +277,6 @@ def bayesbinn(lr, ess, temperature=1.0, beta=0.0, mc_samples=1, lam_init=10.0, l
 # The Lie-group BLR (Kiral, Moellenhoff & Khan 2023): a group acting on a base distribution q0
 # (numpyro_blr.rules.liegroup) x the reparameterisation estimator of its algebra gradient
 # (numpyro_blr.estimators.liegroup) x the exponential-map step. Same Algorithm shape as the rows above.
-
-
-def _noise_rng(noise_rng):
-    if noise_rng not in NOISE_RNG:
-        raise ValueError(f"noise_rng must be one of {NOISE_RNG}, got {noise_rng!r}.")
-    return noise_rng
 
 
 def lie_additive(lr, momentum=0.0, base=None, weight_decay=0.0, nesterov=False, mc_samples=1,

@@ -7,7 +7,7 @@ r"""Pytree helpers shared by every algorithm: flat layouts, weight noise, stacki
   over them, with no per-step packing.
 * :func:`hash_normal` / :func:`standard_normal`: weight noise from one key, a counter-based hash and
   Box-Muller (several times cheaper than ``jax.random.normal`` on CPU) or JAX's own generator;
-  :func:`normal_like` / :func:`uniform_like` shape one draw like a pytree.
+  :func:`uniform_like` shapes one draw like a pytree.
 * :func:`stack_samples`: one pytree, a pytree with a leading Monte Carlo axis, or a list of pytrees,
   as one stacked pytree.
 """
@@ -159,12 +159,6 @@ def standard_normal(key, n, dtype=jnp.float32, rng="hash"):
     if rng == "hash":
         return hash_normal(key, n, dtype)
     return jax.random.normal(key, (int(n),), dtype)
-
-
-def normal_like(key, tree, rng="jax"):
-    """Standard-normal pytree shaped like ``tree`` from one draw (one RNG call keeps compiles small)."""
-    layout = FlatLayout.of(tree)
-    return layout.unravel(standard_normal(key, layout.size, jnp.dtype(layout.dtype), rng))
 
 
 def uniform_like(key, tree):

@@ -7,7 +7,7 @@ Each row is a diagonal Gaussian over the weights (:mod:`numpyro_blr.rules.diagon
 """
 
 from numpyro_blr.core import Algorithm, StepInfo, predictive
-from numpyro_blr.deep.svi import IVON, IVONSVIState, ivon_guide_algorithm
+from numpyro_blr.deep.svi import IVON, IVONSVIState
 from numpyro_blr.estimators.weights import (
     gauss_newton_from_grads,
     gradient_from_grads,

@@ -68,7 +68,7 @@ from numpyro_blr.estimators import Estimate
 from numpyro_blr.layout import DIAGONAL, GuideLayoutError
 from numpyro_blr.presets import ivon
 from numpyro_blr.rules.diagonal import DiagonalState
-from numpyro_blr.svi import GuideAlgorithm, GuideOptimizer, GuideStep
+from numpyro_blr.svi import GuideAlgorithm, GuideOptimizer, GuideStep, commit_if_finite, skipped_report
 from numpyro_blr.tree import FlatLayout
 
 
@@ -130,19 +130,9 @@ def ivon_guide_algorithm(lr, ess, hess_init=1.0, beta1=0.9, beta2=0.99999, weigh
             checked[b.scale] = (grads[b.scale], new_params[b.scale])
         return GuideStep(loss, aux, grads, new_params, IVONSVIState(new.tree(new.momentum), new.count), checked)
 
-    def commit(old, new, ok):
-        return jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)
-
-    def report(state, optimizer):
-        i, s = state
-        bad = sorted(k for k, v in s.nonfinite.items() if bool(v))
-        if int(s.skipped):
-            return [(("skipped", int(i)), f"IVON skipped {int(s.skipped)} of {int(i)} steps because of a non-finite "
-                     f"loss, gradient or update, for parameter(s) {bad}; those steps kept the last finite values. "
-                     "Pass a smaller lr or a larger hess_init, or check the model's log density at the current guide.")]
-        return []
-
-    return GuideAlgorithm("IVON", init, step, commit, report, check_layout)
+    report = skipped_report("IVON", "Pass a smaller lr or a larger hess_init, or check the model's log density at "
+                                    "the current guide.")
+    return GuideAlgorithm("IVON", init, step, commit_if_finite, report, check_layout)
 
 
 class IVON(GuideOptimizer):

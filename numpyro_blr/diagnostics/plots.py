@@ -28,14 +28,19 @@ def _prepare(path):
     return path
 
 
+def _save(fig, path):
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def _save_pc(pc, path, dpi=110):
-    fig = getattr(pc, "viz", None)
     try:
         pc.savefig(str(path), dpi=dpi)
     except Exception:  # noqa: BLE001 - older/newer PlotCollection APIs
         plt.gcf().savefig(path, dpi=dpi)
     plt.close("all")
-    del fig
     return path
 
 
@@ -66,10 +71,7 @@ def plot_loss(fits, path, log_scale=None, title="SVI loss (negative ELBO estimat
     ax.set_ylabel("loss")
     ax.set_title(title)
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def plot_forest(trees, path, var_names=None, prob=0.94, title=None):
@@ -112,10 +114,7 @@ def plot_forest(trees, path, var_names=None, prob=0.94, title=None):
     ax.grid(axis="x", alpha=0.3)
     ax.legend(loc="best", fontsize="small")
     ax.set_title(title or "Forest plot")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def plot_khat(khat, path, title=None):
@@ -145,10 +144,7 @@ def plot_khat(khat, path, title=None):
     ax.axhline(0.7, color="k", ls="--", lw=1)
     ax.set_ylabel(r"Pareto $\hat k$")
     ax.set_title(title or r"Is the fit trustworthy? ($\hat k$ < 0.5 good, > 0.7 unreliable)", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def plot_ppc(tree, path, var_names=None, num_samples=100, **kwargs):
@@ -180,7 +176,4 @@ def plot_sensitivity(mp, path, true_shift=None, title="Memory perturbation (Nick
         ax.set_ylabel("estimate: $v_i e_i$")
         ax.set_title(f"leave-one-out shifts (r = {r:.3f})")
     fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, path)

@@ -130,11 +130,14 @@ def multiplicative(base, ess, temperature=1.0, weight_decay=0.0, mc_samples=1, s
     (the paper's Algorithm 2): :math:`X_\pm = \operatorname{mean}_s(\pm g_\pm\xi_{\pm,s} G_s) - T/N`."""
     tau = float(temperature) / float(ess)
 
-    def draw(key, state):
-        xi = draw_base(base, key, state.scale.shape[0], state.scale.dtype, noise_rng)
+    def theta(state, xi):
         d = state.scale * xi  # (g+ xi+, g- xi-) end to end: one pass
         n = state.layout.size
-        return (d[:n] - d[n:] if signed else d), xi
+        return d[:n] - d[n:] if signed else d
+
+    def draw(key, state):
+        xi = draw_base(base, key, state.scale.shape[0], state.scale.dtype, noise_rng)
+        return theta(state, xi), xi
 
     def algebra(state, g, xi):
         # X = (g+ xi+ G, -g- xi- G) - T/N
@@ -152,9 +155,7 @@ def multiplicative(base, ess, temperature=1.0, weight_decay=0.0, mc_samples=1, s
 
     def from_grads(state, g, xi):
         if weight_decay:
-            d = state.scale * xi
-            n = state.layout.size
-            g = g + weight_decay * (d[:n] - d[n:] if signed else d)
+            g = g + weight_decay * theta(state, xi)
         return Estimate(jnp.nan, MultiplicativeGrad(algebra(state, g, xi)))
 
     estimate.draw, estimate.from_grads, estimate.sampled = draw, from_grads, True

@@ -51,16 +51,6 @@ class DirichletExpectation(NamedTuple):
     mu: jax.Array
 
 
-def inverse_digamma(y, num_iter=6):
-    r"""Solve :math:`\psi(x) = y` for :math:`x > 0` by Newton's method (Minka 2000, App. C initialisation)."""
-    x = jnp.where(y >= -2.22, jnp.exp(y) + 0.5, -1.0 / (y - digamma(1.0)))
-
-    def body(_, x):
-        return x - (digamma(x) - y) / polygamma(1, x)
-
-    return jax.lax.fori_loop(0, num_iter, body, x)
-
-
 def dirichlet_from_mean_log(mu, num_iter=60):
     r"""Solve :math:`\psi(\alpha_k) - \psi(\sum_j\alpha_j) = \mu_k` for :math:`\alpha > 0` (last axis).
 

@@ -57,6 +57,11 @@ def _positive(base):
     return isinstance(base, constraints._GreaterThan) and not isinstance(base, constraints._GreaterThanEq) and _is_zero(base.lower_bound)
 
 
+def is_positive_support(support):
+    """Whether ``support`` is :math:`(0, \\infty)` (``constraints.positive`` and its subclasses)."""
+    return _positive(base_support(support))
+
+
 def _unit_interval(base):
     return isinstance(base, constraints._Interval) and _is_zero(base.lower_bound) and _is_zero(np.asarray(base.upper_bound) - 1)
 

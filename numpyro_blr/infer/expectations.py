@@ -129,13 +129,11 @@ def _to_local(arr, f, lead=0):
     return jnp.transpose(arr, order).reshape(lead_shape + (-1,))
 
 
-def _flatten_local(arr, f, extra_axes):
+def _flatten_local(arr, f):
     """``arr`` of shape ``batch + rest`` -> ``(prod of local axes, rest)`` with the local axes first."""
-    nb = len(f.batch_shape)
     order = tuple(f.local_axes) + tuple(a for a in range(arr.ndim) if a not in f.local_axes)
     arr = jnp.transpose(arr, order)
     n_local = int(np.prod([arr.shape[i] for i in range(len(f.local_axes))]))
-    del nb, extra_axes
     return arr.reshape(n_local, -1)
 
 
@@ -153,7 +151,7 @@ def _shrunk_table(graph, f, rules, refs):
         if not f.observed:
             return out[0]
         natural, a = out
-        flat = jnp.concatenate([_flatten_local(x, f, None)[0] for x in natural])
+        flat = jnp.concatenate([_flatten_local(x, f)[0] for x in natural])
         return flat, a
 
     def over_globals(level, fixed):
@@ -176,7 +174,7 @@ def _shrunk_table(graph, f, rules, refs):
     return jax.tree.map(lambda x: x.reshape((num,) + x.shape[len(local):]), out)
 
 
-def _local_weights(graph, f, rules):
+def _local_weights(f, rules):
     """``(|L|, C)``: each local configuration's probability per local element (product over local sites)."""
     r = None
     for n in f.local:
@@ -201,14 +199,14 @@ def _factor_weight(graph, f, refs):
 
 def _shrunk(graph, f, rules, refs):
     weight, msg = _factor_weight(graph, f, refs)
-    r = _local_weights(graph, f, rules)
+    r = _local_weights(f, rules)
     table = _shrunk_table(graph, f, rules, refs)
     if not f.observed:
         return jnp.sum(weight * (r @ table))
     eta, a = table  # (C, Q), (C,)
     _, _, statistics = exponential_form(unwrap(msg["fn"]))
     stats = statistics(msg["value"])
-    t = jnp.concatenate([_flatten_local(x, f, None) for x in stats], -1)  # (|L|, Q)
+    t = jnp.concatenate([_flatten_local(x, f) for x in stats], -1)  # (|L|, Q)
     s = t @ eta.T - a  # (|L|, C)
     return jnp.sum(weight * jnp.sum(r * s, -1))
 
@@ -421,7 +419,7 @@ def _shrunk_error(graph, f, natural, refs, local_vals, picks):
     rules = site_rules(graph, natural, mean, f.deps)
     glob = {d: rules[d][0][picks[d] % rules[d][0].shape[0]] for d in picks}
     full = graph.log_prob(f.name, {**refs, **glob, **local_vals})
-    full = _flatten_local(full, f, None).sum(-1)
+    full = _flatten_local(full, f).sum(-1)
     # the shrunk formula with the global sites at one point (weight 1) and one-hot local probabilities
     one = {d: (glob[d][None], jnp.ones((1,), graph.float_dtype)) for d in glob}
     for n in f.local:
@@ -430,12 +428,12 @@ def _shrunk_error(graph, f, natural, refs, local_vals, picks):
         onehot = jax.nn.one_hot(jnp.asarray(local_vals[n]).astype(jnp.int32), k, dtype=graph.float_dtype)
         one[n] = (None, jnp.moveaxis(onehot, -1, 0))
     weight, msg = _factor_weight(graph, f, refs)
-    r = _local_weights(graph, f, one)
+    r = _local_weights(f, one)
     table = _shrunk_table(graph, f, one, refs)
     if f.observed:
         eta, a = table
         _, _, statistics = exponential_form(unwrap(msg["fn"]))
-        t = jnp.concatenate([_flatten_local(x, f, None) for x in statistics(msg["value"])], -1)
+        t = jnp.concatenate([_flatten_local(x, f) for x in statistics(msg["value"])], -1)
         per = weight * jnp.sum(r * (t @ eta.T - a), -1)
     else:
         per = weight * (r @ table)

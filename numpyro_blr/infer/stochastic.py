@@ -27,9 +27,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from numpyro_blr.core import check_positive
+from numpyro_blr.core import check_positive, select
 from numpyro_blr.infer.graph import ModelError
-from numpyro_blr.infer.vmp import FitResult, MessagePassing, SweepInfo, VMPState, _Engine
+from numpyro_blr.infer.vmp import FitResult, MessagePassing, SweepInfo, VMPState, _Engine, _progress
 
 __all__ = ["svi"]
 
@@ -84,10 +84,7 @@ class _Stochastic(_Engine):
         natural = dict(state.natural)
         natural.update(self.local_prior(natural))
         mean = self.means(natural)
-        for _ in range(self.local_steps):
-            for n in self.local_order:
-                natural[n] = self.update_conjugate(n, natural, mean, 1.0)
-                mean[n] = self.graph.sites[n].expectation(natural[n])
+        self.exact_sweeps(self.local_order, self.local_steps, natural, mean)
         rho = self.rho(state.count.astype(self.float_dtype))
         # every global's message from the same local q and globals (Hoffman et al. 2013; BayesPy's gradient_step)
         new = {n: self.update_conjugate(n, natural, mean, rho) for n in self.globals}
@@ -97,7 +94,7 @@ class _Stochastic(_Engine):
         site_ok = jnp.stack(ok) if ok else jnp.ones((0,), bool)
         good = jnp.all(site_ok) & jnp.isfinite(elbo)
         new = VMPState({n: natural[n] for n in self.globals}, elbo, state.count + 1)
-        new = jax.tree.map(lambda a, b: jnp.where(good, a, b), new, state)
+        new = select(good, new, state)
         factors = jnp.stack(list(per_factor.values()))
         return new, SweepInfo(-elbo, ~good, elbo, site_ok, jnp.isfinite(factors), factors,
                               jnp.stack(list(entropies.values())))
@@ -136,11 +133,7 @@ class _Stochastic(_Engine):
             def fn(glob):
                 natural = dict(eng._prior_natural)
                 natural.update(glob)
-                mean = eng.means(natural)
-                for _ in range(self.local_steps):
-                    for n in self.local_order:
-                        natural[n] = eng.update_conjugate(n, natural, mean, 1.0)
-                        mean[n] = eng.graph.sites[n].expectation(natural[n])
+                eng.exact_sweeps(self.local_order, self.local_steps, natural, eng.means(natural))
                 return eng.elbo_terms(natural)[0], natural
 
             self._full_fn = eng.graph.jit(fn)
@@ -157,16 +150,10 @@ class _Stochastic(_Engine):
             key = jax.random.PRNGKey(0)
         perm_rng = np.random.default_rng(None if key is None else np.asarray(jax.random.key_data(key)).ravel()[-1])
         history, diverged, taken = [], None, 0
-        iterator = range(num_steps)
-        bar = None
-        if progress_bar:
-            from tqdm.auto import tqdm
-
-            bar = tqdm(iterator, desc="svi", leave=False)
-            iterator = bar
+        bar = _progress(num_steps, "svi", progress_bar)
         batch_iter = iter(batches) if batches is not None else None
         perm, pos = None, self.size
-        for t in iterator:
+        for t in bar:
             if batch_iter is not None:
                 try:
                     batch = next(batch_iter)
@@ -187,10 +174,9 @@ class _Stochastic(_Engine):
                 break
             state, taken = new, taken + 1
             history.append(float(info.elbo))
-            if bar is not None and t % 50 == 0:
+            if t % 50 == 0:
                 bar.set_postfix(minibatch_elbo=f"{history[-1]:.6g}")
-        if bar is not None:
-            bar.close()
+        bar.close()
         return FitResult(state=state, posterior=self.posterior(state), params=self.params(state),
                          elbo=history[-1] if history else float("nan"), elbo_history=history, converged=False,
                          num_steps=taken, diverged=diverged, guide=self.guide(state))
@@ -200,11 +186,6 @@ class _Stochastic(_Engine):
 
     def params(self, state):
         return {}
-
-    def sample(self, key, state, num_samples):
-        post = self.posterior(state)
-        keys = jax.random.split(key, len(post))
-        return {n: d.sample(k, (num_samples,)) for (n, d), k in zip(post.items(), keys)}
 
     def algorithm(self, parts):
         self._args, self._kwargs = self.graph.args, self.graph.kwargs

@@ -40,7 +40,7 @@ import numpy as np
 import numpyro
 import numpyro.distributions as dist
 
-from numpyro_blr.core import check_positive, select
+from numpyro_blr.core import check_positive, select, value_at
 from numpyro_blr.estimators import gaussian as gaussian_estimators
 from numpyro_blr.estimators import implicit
 from numpyro_blr.families import Bernoulli, Categorical, FullGaussian
@@ -133,11 +133,12 @@ class FitResult:
 #: Measured on the D = 5, K = 20 mixture at N = 10^5 (5 x 10^5 values, 2 CPU cores): 2.5 s to compile and 88 ms per
 #: sweep against 4.1 s and 62 ms; a fit of 10-20 sweeps breaks even near 2 x 10^6 values
 FAST_COMPILE_BELOW = 2**20
-_FAST = FAST_COMPILE
 
+def _progress(num_steps, desc, show):
+    """``range(num_steps)`` as a tqdm bar (a silent one unless ``show``)."""
+    from tqdm.auto import tqdm
 
-def _lr_at(lr, count):
-    return lr(count) if callable(lr) else lr
+    return tqdm(range(num_steps), desc=desc, leave=False, disable=not show)
 
 
 class _Engine:
@@ -332,6 +333,14 @@ class _Engine:
         eta = self.message(n, natural, mean)
         return s.family.blr_update(natural[n], jax.tree.map(jnp.negative, eta), lr, improved=False)
 
+    def exact_sweeps(self, names, num_sweeps, natural, mean):
+        """``num_sweeps`` exact (:math:`\rho = 1`) sweeps over the conjugate sites ``names``, updating ``natural`` and
+        ``mean`` in place."""
+        for _ in range(num_sweeps):
+            for n in names:
+                natural[n] = self.update_conjugate(n, natural, mean, 1.0)
+                mean[n] = self.graph.sites[n].expectation(natural[n])
+
     def update_point(self, n, natural, mean):
         r"""The delta method's step on a point site: a Newton step on :math:`Q(u) = \sum_\phi\mathbb E_q[\phi]` in the
         unconstrained value :math:`u` (absolute eigenvalues of the Hessian, so it ascends), halved until :math:`Q`
@@ -368,6 +377,13 @@ class _Engine:
             flat0 = jnp.where(better, cand, flat0)
         return flat0.reshape(shape)
 
+    def gaussian_step(self, loc, precision, g, h, lr):
+        """:func:`~numpyro_blr.rules.blr.gaussian_update` per element of a Gaussian site, as natural parameters."""
+        flat = loc.reshape((-1, loc.shape[-1])), precision.reshape((-1,) + precision.shape[-2:])
+        g, h = g.reshape(flat[0].shape), h.reshape(flat[1].shape)
+        new_loc, new_prec = jax.vmap(lambda m, p, gg, hh: gaussian_update(m, p, gg, hh, lr, self.improved))(*flat, g, h)
+        return FullGaussian.to_natural(new_loc.reshape(loc.shape), new_prec.reshape(precision.shape))
+
     def update_nonconjugate(self, n, natural, mean, key, lr):
         s = self.graph.sites[n]
         if s.kind == "gaussian" and self.estimator == "projected":
@@ -383,10 +399,7 @@ class _Engine:
 
             g, g_cov = jax.grad(loss, argnums=(0, 1))(loc, cov)
             h = g_cov + jnp.swapaxes(g_cov, -1, -2)  # Price: E[hessian] = 2 d E / d Sigma (symmetric)
-            flat = loc.reshape((-1, loc.shape[-1])), precision.reshape((-1,) + precision.shape[-2:])
-            g, h = g.reshape(flat[0].shape), h.reshape(flat[1].shape)
-            new_loc, new_prec = jax.vmap(lambda m, p, gg, hh: gaussian_update(m, p, gg, hh, lr, self.improved))(*flat, g, h)
-            return FullGaussian.to_natural(new_loc.reshape(loc.shape), new_prec.reshape(precision.shape))
+            return self.gaussian_step(loc, precision, g, h, lr)
         if s.kind == "gaussian":
             loc, precision = FullGaussian.from_natural(natural[n])
 
@@ -399,10 +412,7 @@ class _Engine:
             if key is None:  # the same draws every sweep: a deterministic sample-average approximation
                 key = jax.random.fold_in(jax.random.PRNGKey(self.seed), self.order.index(n))
             est = gaussian_estimators.estimate(loss, loc, precision, self.estimator, key, self.num_samples)
-            flat = loc.reshape((-1, loc.shape[-1])), precision.reshape((-1,) + precision.shape[-2:])
-            g, h = est.grad.reshape(flat[0].shape), est.hessian.reshape(flat[1].shape)
-            new_loc, new_prec = jax.vmap(lambda m, p, gg, hh: gaussian_update(m, p, gg, hh, lr, self.improved))(*flat, g, h)
-            return FullGaussian.to_natural(new_loc.reshape(loc.shape), new_prec.reshape(precision.shape))
+            return self.gaussian_step(loc, precision, est.grad, est.hessian, lr)
         # Gamma, Beta, Dirichlet: the implicit-reparameterisation estimate of grad_mu E_q[-log p], the improved step
         info, fam = s.info, s.family
         raw = info.unconstrain(info.user(natural[n]))
@@ -422,8 +432,8 @@ class _Engine:
     def sweep(self, key, state):
         natural = dict(state.natural)
         mean = self.means(natural)
-        lr = _lr_at(self.lr, state.count)
-        nc_lr = _lr_at(self.nc_lr, state.count)
+        lr = value_at(self.lr, state.count)
+        nc_lr = value_at(self.nc_lr, state.count)
         ok = []
         for i, n in enumerate(self.order):
             kind = self.kind[n]
@@ -448,7 +458,7 @@ class _Engine:
 
     def apply(self, state, messages, lr=None):
         """The rule alone: :math:`\\lambda_i \\leftarrow (1-\\rho)\\lambda_i + \\rho\\hat\\eta_i` for the given messages."""
-        lr = _lr_at(self.lr, state.count) if lr is None else lr
+        lr = value_at(self.lr, state.count) if lr is None else lr
         natural = dict(state.natural)
         for n, eta in messages.items():
             s = self.graph.sites[n]
@@ -493,14 +503,8 @@ class _Engine:
         step = step or self.jitted_step
         history = [] if bool(jnp.isnan(state.elbo)) else [float(state.elbo)]
         converged, diverged, taken, last = False, None, 0, None
-        iterator = range(num_steps)
-        bar = None
-        if progress_bar:
-            from tqdm.auto import tqdm
-
-            bar = tqdm(iterator, desc=self.name, leave=False)
-            iterator = bar
-        for t in iterator:
+        bar = _progress(num_steps, self.name, progress_bar)
+        for t in bar:
             sub = None if key is None else jax.random.fold_in(key, t)
             new, info = step(sub, state)
             if bool(info.skipped):
@@ -512,13 +516,11 @@ class _Engine:
                 break
             state, taken, last = new, taken + 1, info
             history.append(float(info.elbo))
-            if bar is not None:
-                bar.set_postfix(elbo=f"{history[-1]:.6g}")
+            bar.set_postfix(elbo=f"{history[-1]:.6g}")
             if tol is not None and len(history) > 1 and abs(history[-1] - history[-2]) <= tol * abs(history[-1]):
                 converged = True
                 break
-        if bar is not None:
-            bar.close()
+        bar.close()
         return self.result(state, history, converged, taken, diverged, last)
 
     def result(self, state, history, converged, taken, diverged, info=None):
@@ -546,7 +548,7 @@ class _Engine:
 
     def algorithm(self, parts):
         small = sum(int(np.size(x)) for x in self.graph.data()) < FAST_COMPILE_BELOW
-        options = _FAST if small and not os.environ.get("NUMPYRO_BLR_XLA_OPT") else {}
+        options = FAST_COMPILE if small and not os.environ.get("NUMPYRO_BLR_XLA_OPT") else {}
         self.jitted_step = self.graph.jit(lambda key, state, *batch: self.sweep(key, state), **options)
         self.elbo_jit = self.graph.jit(self.elbo_terms)
         return MessagePassing(

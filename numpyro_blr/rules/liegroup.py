@@ -76,7 +76,8 @@ import numpy as np
 import numpyro.distributions as dist
 from numpyro.distributions import constraints
 
-from numpyro_blr.core import StepInfo, check_params, value_at
+from numpyro_blr.core import StepInfo, check_params, select, value_at
+from numpyro_blr.families.registry import is_positive_support
 from numpyro_blr.tree import FlatLayout
 
 GROUPS = ("additive", "multiplicative", "affine")
@@ -121,23 +122,6 @@ class Rayleigh(dist.Distribution):
     @property
     def variance(self):
         return (2.0 - math.pi / 2) * self.scale**2
-
-
-def _base_support(support):
-    while isinstance(support, constraints.independent):
-        support = support.base_constraint
-    return support
-
-
-def is_positive_support(support):
-    """Whether ``support`` is :math:`(0, \\infty)` (``constraints.positive`` and its subclasses)."""
-    base = _base_support(support)
-    if not isinstance(base, constraints._GreaterThan) or isinstance(base, constraints._GreaterThanEq):
-        return False
-    try:
-        return float(np.max(np.abs(np.asarray(base.lower_bound)))) == 0.0
-    except Exception:  # noqa: BLE001 - a traced bound
-        return False
 
 
 def check_base(base, where, group, positive=False):
@@ -307,12 +291,6 @@ def clamp_log_scale(log_scale):
     return jnp.clip(log_scale, float(np.log(info.tiny * 4)), float(np.log(info.max / 4)))
 
 
-def phi(z):
-    r""":math:`\varphi(z) = (1 - e^{-z})/z` (:math:`\varphi(0) = 1`): the affine exponential map's factor on the shift."""
-    safe = jnp.where(z == 0, jnp.ones_like(z), z)
-    return jnp.where(z == 0, jnp.ones_like(z), -jnp.expm1(-safe) / safe)
-
-
 def ema(momentum, x, beta):
     """:math:`\\beta M + (1-\\beta) x` (``x`` itself for :math:`\\beta = 0`)."""
     return beta * momentum + (1.0 - beta) * x if beta else x
@@ -444,19 +422,10 @@ class MultiplicativeState(NamedTuple):
         return self.scale.shape[0] != self.layout.size
 
     @property
-    def scale_plus(self):
-        """:math:`g_+` (:math:`g` unsigned), flat."""
-        return self.scale[: self.layout.size]
-
-    @property
-    def scale_minus(self):
-        """:math:`g_-` (None unsigned), flat."""
-        return self.scale[self.layout.size:] if self.signed else None
-
-    @property
     def params(self):
         r"""The point estimate :math:`\mathbb E_q[\theta] = \mathbb E[\xi](g_+ - g_-)` as the weights' pytree."""
-        g = self.scale_plus - self.scale_minus if self.signed else self.scale
+        n = self.layout.size
+        g = self.scale[:n] - self.scale[n:] if self.signed else self.scale
         return self.layout.unravel(self.base_mean * g)
 
     def tree(self, flat):
@@ -572,10 +541,6 @@ def _finite(*arrays):
     return jnp.isfinite(jnp.sum(sum(a * 0 for a in arrays)))
 
 
-def _keep(ok, new, old):
-    return jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)
-
-
 def _counted(ok, state):
     return jnp.where(ok, state.count + 1, state.count), state.skipped + jnp.where(ok, 0, 1).astype(jnp.int32)
 
@@ -585,7 +550,7 @@ def additive_update(rule: AdditiveRule, state: AdditiveState, grad, loss=jnp.nan
     loc, trace = additive_step(rule, state.loc, state.momentum, grad, state.count)
     ok = _finite(loc)  # a non-finite gradient makes the trace, hence loc, non-finite
     count, skipped = _counted(ok, state)
-    loc, trace = _keep(ok, (loc, trace), (state.loc, state.momentum))
+    loc, trace = select(ok, (loc, trace), (state.loc, state.momentum))
     return state._replace(loc=loc, momentum=trace, count=count, skipped=skipped), StepInfo(loss, ~ok)
 
 
@@ -594,7 +559,7 @@ def multiplicative_update(rule: MultiplicativeRule, state: MultiplicativeState, 
     z, mom = multiplicative_factor(rule, state.momentum, grad.scale, state.count)
     raw = state.scale * jnp.exp(-z)
     ok = _finite(raw, mom)
-    scale, mom = _keep(ok, (clamp_scale(raw), mom), (state.scale, state.momentum))
+    scale, mom = select(ok, (clamp_scale(raw), mom), (state.scale, state.momentum))
     count, skipped = _counted(ok, state)
     return state._replace(scale=scale, momentum=mom, count=count, skipped=skipped), StepInfo(loss, ~ok)
 
@@ -607,7 +572,7 @@ def affine_update(rule: AffineRule, state: AffineState, grad: AffineGrad, loss=j
     scale = clamp_scale(state.scale + state.scale * decay)  # A e^{-z} = A + A expm1(-z): one transcendental
     ok = _finite(loc, m_scale)  # a non-finite m_loc makes the shift, hence loc, non-finite (A phi(z) > 0)
     old = (state.loc, state.scale, state.loc_momentum, state.scale_momentum)
-    loc, scale, m_loc, m_scale = _keep(ok, (loc, scale, m_loc, m_scale), old)
+    loc, scale, m_loc, m_scale = select(ok, (loc, scale, m_loc, m_scale), old)
     count, skipped = _counted(ok, state)
     new_state = state._replace(loc=loc, scale=scale, loc_momentum=m_loc, scale_momentum=m_scale, count=count, skipped=skipped)
     return new_state, StepInfo(loss, ~ok)
