@@ -182,7 +182,7 @@ def full_scale_tril_update(scale_tril, hess, lr, improved=True, whitened_hess=No
     :math:`C C^\top = \tilde B - I/2` for the one-sided rule's plain branch (the Cholesky factor
     :math:`C` exists exactly when :math:`\tilde B \succeq I/2`: it also decides the branch). One
     Cholesky, one QR and one triangular solve, with no branch on accuracy: on CPU at
-    :math:`D = 31`-256 this is 20-60% faster than factorising :math:`K` by Cholesky (with a QR route
+    :math:`D = 31`-256 this is 20-50% faster than factorising :math:`K` by Cholesky (with a QR route
     for ill-conditioned :math:`K`) and compiles 0.15-0.2 s sooner. The plain step factorises
     :math:`\tilde B` by Cholesky (:func:`_times_inverse_cholesky_factor`) and is non-finite when
     :math:`\tilde B` is not positive definite. ``whitened_hess`` (:math:`M`, when the estimator gives
