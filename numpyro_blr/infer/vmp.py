@@ -334,7 +334,7 @@ class _Engine:
         return s.family.blr_update(natural[n], jax.tree.map(jnp.negative, eta), lr, improved=False)
 
     def exact_sweeps(self, names, num_sweeps, natural, mean):
-        """``num_sweeps`` exact (:math:`\rho = 1`) sweeps over the conjugate sites ``names``, updating ``natural`` and
+        r"""``num_sweeps`` exact (:math:`\rho = 1`) sweeps over the conjugate sites ``names``, updating ``natural`` and
         ``mean`` in place."""
         for _ in range(num_sweeps):
             for n in names:
