@@ -151,14 +151,7 @@ def inverse_scale_tril(scale_tril):
 
 
 def _scale_tril_from_factor_qr(f):
-    r""":math:`T` (lower) with :math:`(T T^\top)^{-1} = F F^\top`, by one QR decomposition; :math:`K = F F^\top`
-    is never formed, so its condition number is not squared.
-
-    With the reversal :math:`J`, the QR decomposition :math:`(J F)^\top = Q U` (:math:`U` upper, positive
-    diagonal) gives :math:`J K J = U^\top U`, so :math:`K = W W^\top` with :math:`W = J U^\top J` upper and
-    :math:`T = W^{-\top} = J U^{-1} J`. (:math:`L T` as the product with :math:`T` is about 1.4 times
-    faster on CPU than as a triangular solve with :math:`L` on the right.)
-    """
+    """:math:`L` with :math:`(L L^\top)^{-1} = F F^\top`, by a QR decomposition of :math:`(J F)^\top`."""
     u = jnp.linalg.qr(jnp.flip(f, axis=0).T, mode="r")
     u = u * jnp.sign(jnp.diagonal(u))[:, None]
     eye = jnp.eye(f.shape[0], dtype=f.dtype)
@@ -174,19 +167,15 @@ def full_scale_tril_update(scale_tril, hess, lr, improved=True, whitened_hess=No
     (:math:`S + \rho G + \frac{\rho^2}{2} G S^{-1} G`, Lin, Schmidt & Khan 2020)
     :math:`K = \tfrac12 (I + \tilde B^2)`, whose eigenvalues are :math:`\ge \tfrac12`: positive
     definite for any :math:`\hat H` and :math:`\rho`. Then :math:`\Sigma_{\rm new} = L K^{-1} L^\top`
-    and :math:`L_{\rm new} = L T` with :math:`T` the lower Cholesky factor of :math:`K^{-1}`.
-
-    The improved and one-sided rules triangularise a factor :math:`F` with :math:`K = F F^\top` by a
-    QR decomposition (:func:`_scale_tril_from_factor_qr`), which does not square the condition number:
-    :math:`F = [I, \tilde B]/\sqrt2` for the improved step, :math:`[C, I/\sqrt2]` with
-    :math:`C C^\top = \tilde B - I/2` for the one-sided rule's plain branch (the Cholesky factor
-    :math:`C` exists exactly when :math:`\tilde B \succeq I/2`: it also decides the branch). One
-    Cholesky, one QR and one triangular solve, with no branch on accuracy: on CPU at
-    :math:`D = 31`-256 this is 20-50% faster than factorising :math:`K` by Cholesky (with a QR route
-    for ill-conditioned :math:`K`) and compiles 0.15-0.2 s sooner. The plain step factorises
-    :math:`\tilde B` by Cholesky (:func:`_times_inverse_cholesky_factor`) and is non-finite when
-    :math:`\tilde B` is not positive definite. ``whitened_hess`` (:math:`M`, when the estimator gives
-    it) replaces ``hess``.
+    and :math:`L_{\rm new} = L T` with :math:`T` the lower Cholesky factor of :math:`K^{-1}`
+    (:func:`~numpyro_blr.families.gaussian.precision_to_scale_tril`: one Cholesky, one triangular
+    inverse; no inverse of :math:`L`). Should that Cholesky fail or lose accuracy in floating point
+    (condition number of :math:`K` beyond about :math:`10^{-3}/\varepsilon`), a factor :math:`F` with
+    :math:`K = F F^\top` is triangularised by a QR decomposition instead, which does not square the
+    condition number: :math:`F = [I, \tilde B]/\sqrt2` for the improved step, :math:`[C, I/\sqrt2]`
+    with :math:`C C^\top = \tilde B - I/2` for the one-sided rule's plain branch. The plain step is
+    non-finite when :math:`\tilde B` is not positive definite.
+    ``whitened_hess`` (:math:`M`, when the estimator gives it) replaces ``hess``.
     """
     if whitened_hess is None:
         m = scale_tril.T @ hess @ scale_tril
@@ -199,12 +188,33 @@ def full_scale_tril_update(scale_tril, hess, lr, improved=True, whitened_hess=No
     if rule == "plain":
         return _times_inverse_cholesky_factor(scale_tril, b)
     half = jnp.sqrt(0.5).astype(scale_tril.dtype)
-    factor = jnp.concatenate([eye, b], axis=-1) * half  # K = (I + B^2)/2 = F F^T
+    k, factor = 0.5 * (eye + b @ b), jnp.concatenate([eye, b], axis=-1) * half  # K = F F^T
     if rule == "one-sided":  # B itself where B >= I/2, told by a Cholesky C C^T = B - I/2
         c = jnp.linalg.cholesky(b - 0.5 * eye)
         grows = jnp.all(jnp.isfinite(c))
+        k = jnp.where(grows, b, k)
         factor = jnp.where(grows, jnp.concatenate([jnp.where(grows, c, 0.0), eye * half], axis=-1), factor)
-    return scale_tril @ _scale_tril_from_factor_qr(factor)
+    w = _flipped_cholesky(k)
+    d = jnp.abs(jnp.diagonal(w))
+    # Cholesky's relative error is about cond(K) eps, and cond(K) >= (max d / min d)^2: past
+    # cond(K) ~ 1e-3/eps (1e4 in float32) the QR route, which does not square it, takes over
+    accurate = jnp.all(jnp.isfinite(w)) & (jnp.min(d) ** 2 > 1e3 * jnp.finfo(d.dtype).eps * jnp.max(d) ** 2)
+    return lax.cond(
+        accurate,
+        lambda _: _solve_with_flipped_cholesky(scale_tril, w),
+        lambda _: scale_tril @ _scale_tril_from_factor_qr(factor),
+        None,
+    )
+
+
+def _flipped_cholesky(k):
+    r"""Upper-triangular :math:`W` with :math:`K = W W^\top`: :math:`J K J = V V^\top`, :math:`W = J V J`."""
+    return jnp.flip(jnp.linalg.cholesky(jnp.flip(k, axis=(-2, -1))), axis=(-2, -1))
+
+
+def _solve_with_flipped_cholesky(scale_tril, w):
+    r""":math:`L W^{-\top}`, the factor :math:`L T` of :func:`_times_inverse_cholesky_factor`."""
+    return lax.linalg.triangular_solve(w, scale_tril, left_side=False, lower=False, transpose_a=True)
 
 
 def _times_inverse_cholesky_factor(scale_tril, k):
@@ -212,8 +222,7 @@ def _times_inverse_cholesky_factor(scale_tril, k):
     triangular solve: with the reversal :math:`J`, :math:`J K J = V V^\top` and :math:`W = J V J` (upper),
     :math:`K = W W^\top` so :math:`T = W^{-\top}` and :math:`L T` solves :math:`X W^\top = L`
     (as :func:`~numpyro_blr.families.gaussian.precision_to_scale_tril`, without forming :math:`T`)."""
-    w = jnp.flip(jnp.linalg.cholesky(jnp.flip(k, axis=(-2, -1))), axis=(-2, -1))
-    return lax.linalg.triangular_solve(w, scale_tril, left_side=False, lower=False, transpose_a=True)
+    return _solve_with_flipped_cholesky(scale_tril, _flipped_cholesky(k))
 
 
 def momentum_update(momentum, grad, beta, step):
