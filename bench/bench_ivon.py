@@ -36,14 +36,9 @@ def time_steps(step, carry, n=300):
     return (time.perf_counter() - t0) / n, carry
 
 
-def step_functions():
-    x_tr, _, y_tr, _ = load_data()
-    xb, yb = jnp.asarray(x_tr[:BATCH]), jnp.asarray(y_tr[:BATCH])
-    params = init_mlp(jax.random.key(0))
-    n_params = ravel_pytree(params)[0].shape[0]
-    key = jax.random.key(1)
+def baseline_steps(params, xb, yb):
+    """The baselines every step is timed against: ``optax.adamw`` and the gradient with plain SGD."""
     fns = {}
-
     tx = optax.adamw(1e-3, weight_decay=1e-4)  # step cost does not depend on the lr value
 
     @jax.jit
@@ -61,6 +56,16 @@ def step_functions():
         return jax.tree.map(lambda p, d: p - 1e-3 * d, carry, g)
 
     fns["gradient + plain SGD"] = (grad_sgd, params)
+    return fns
+
+
+def step_functions():
+    x_tr, _, y_tr, _ = load_data()
+    xb, yb = jnp.asarray(x_tr[:BATCH]), jnp.asarray(y_tr[:BATCH])
+    params = init_mlp(jax.random.key(0))
+    n_params = ravel_pytree(params)[0].shape[0]
+    key = jax.random.key(1)
+    fns = baseline_steps(params, xb, yb)
     for rng in ("hash", "jax"):
         opt = make_ivon(len(y_tr), noise_rng=rng)
 

@@ -22,7 +22,6 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpyro.distributions as dist
-import optax
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
 from digits_ivon import BATCH, init_mlp, load_data, loss_fn  # noqa: E402
@@ -30,7 +29,7 @@ from digits_ivon import BATCH, init_mlp, load_data, loss_fn  # noqa: E402
 import numpyro_blr as nb  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_ivon import alternating_medians, print_ratios  # noqa: E402
+from bench_ivon import alternating_medians, baseline_steps, print_ratios  # noqa: E402
 
 
 def step_functions():
@@ -39,24 +38,7 @@ def step_functions():
     params = init_mlp(jax.random.key(0))
     n = len(y_tr)
     key = jax.random.key(1)
-    fns = {}
-    tx = optax.adamw(1e-3, weight_decay=1e-4)  # step cost does not depend on the lr value
-
-    @jax.jit
-    def adamw_step(carry):
-        p, s = carry
-        _, g = jax.value_and_grad(loss_fn)(p, xb, yb)
-        u, s = tx.update(g, s, p)
-        return optax.apply_updates(p, u), s
-
-    fns["optax.adamw step"] = (adamw_step, (params, tx.init(params)))
-
-    @jax.jit
-    def grad_sgd(carry):  # the gradient plus the cheapest possible update
-        _, g = jax.value_and_grad(loss_fn)(carry, xb, yb)
-        return jax.tree.map(lambda p, d: p - 1e-3 * d, carry, g)
-
-    fns["gradient + plain SGD"] = (grad_sgd, params)
+    fns = baseline_steps(params, xb, yb)
     rows = {
         "IVON (reference: a diagonal row)": nb.ivon(0.1, ess=n),
         "additive, Normal q0": nb.lie_additive(0.1, momentum=0.9, base=dist.Normal(0.0, 1e-3), weight_decay=1e-4),
