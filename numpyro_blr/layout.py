@@ -57,6 +57,25 @@ class GaussianBlock:
             return GatherScaledUnitLowerCholesky()
         return biject_to(self.scale_constraint)
 
+    def scaling_tangent(self, raw):
+        r""":math:`\partial x/\partial c` at :math:`c = 1` of the raw scale :math:`x(c) = T^{-1}(c\,T(x))`: the
+        direction of the raw parameter in which ``s`` or ``L`` grows by the factor :math:`1 + dc`.
+
+        NumPyro's defaults in closed form, one transcendental: with :math:`s = \operatorname{softplus}(x)`,
+        :math:`\partial x/\partial s = 1/\sigma(x) = 1/(1 - e^{-s})`, so :math:`\partial x/\partial c = s/(1 - e^{-s})`
+        (for ``scaled_unit_lower_cholesky`` on the softplus diagonal; its unit-lower part does not move).
+        Other constraints: the JVP of the inverse transform (XLA on CPU compiles the JVP of
+        :math:`\log(-\operatorname{expm1}(-s))` into a 20 KB kernel; this one is 5 KB).
+        """
+        scale = self.transform(raw)
+        if self.scale_constraint is constraints.softplus_positive:
+            return scale / -jnp.expm1(-scale)
+        if self.scale_constraint is constraints.scaled_unit_lower_cholesky:
+            s = jnp.diagonal(scale, axis1=-2, axis2=-1)
+            strict = jnp.zeros(raw.shape[:-1] + (raw.shape[-1] - s.shape[-1],), raw.dtype)
+            return jnp.concatenate([strict, s / -jnp.expm1(-s)], axis=-1)
+        return jax.jvp(self.transform.inv, (scale,), (scale,))[1]
+
 
 @lru_cache(maxsize=None)
 def _tril_gather_indices(n):
@@ -90,7 +109,10 @@ class GatherScaledUnitLowerCholesky(ScaledUnitLowerCholeskyTransform):
         _, flat = _tril_gather_indices(n)
         diag = jnp.diagonal(y, axis1=-2, axis2=-1)
         strict = jnp.take((y / diag[..., None]).reshape(y.shape[:-2] + (n * n,)), flat, axis=-1)
-        return jnp.concatenate([strict, diag + jnp.log(-jnp.expm1(-diag))], axis=-1)
+        # materialised before the concatenation: XLA on CPU fuses the transcendental into the
+        # concatenate's kernel as 31 KB of code, against 6 KB apart (compile time follows code size)
+        raw_diag = jax.lax.optimization_barrier(diag + jnp.log(-jnp.expm1(-diag)))
+        return jnp.concatenate([strict, raw_diag], axis=-1)
 
     def cotangent_to_tril(self, y, raw_cotangent, transpose=False):
         r"""The vector-Jacobian product of :meth:`_inverse` at ``y = L``: maps :math:`\partial f/\partial x`

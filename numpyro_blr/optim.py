@@ -229,14 +229,16 @@ class BLR(GuideOptimizer):
         return tuple(b for b in layout.blocks if b.kind in (DIAGONAL, FULL))
 
     @staticmethod
-    def _guide_moments(params, blocks):
+    def _guide_moments(params, blocks, scales=None):
         r"""``{loc: m, scale: s or L}`` of ``blocks``: the mean and the scale or Cholesky factor of
         :math:`z = m + L\varepsilon`, the form in which the iterates are averaged (averaging NumPyro's
-        raw scale_tril, a row-scaled unit-triangular factor, biases a near-singular covariance)."""
+        raw scale_tril, a row-scaled unit-triangular factor, biases a near-singular covariance).
+        ``scales``: the scales already known (a step's new ``s`` or ``L``, not read back through the
+        raw parameter: that round trip costs a transcendental kernel to compile, 6-10 KB of code)."""
         out = {}
         for b in blocks:
             out[b.loc] = params[b.loc]
-            out[b.scale] = b.transform(params[b.scale])
+            out[b.scale] = scales[b.scale] if scales and b.scale in scales else b.transform(params[b.scale])
         return out
 
     def _init_state(self, params, layout):
@@ -357,6 +359,7 @@ class BLR(GuideOptimizer):
         direction = {}  # block handle -> whitened step direction, for the adaptive step size
         whitened_grad = {}  # loc -> whitened mean gradient L^T g of this step (loc-shaped)
         control = {}  # loc -> control variate S (z - m) subtracted from its sampled gradient
+        new_scales = {}  # scale name -> the block's new s or L (the averaging's target)
 
         joint = self._joint_diagonal(params, layout)
         new_mean_tril = s.mean_scale_tril
@@ -386,7 +389,8 @@ class BLR(GuideOptimizer):
                 scale = b.transform(params[b.scale])
                 if st.h is not None:
                     prec = diagonal_precision_update(scale**-2, st.h, lr, self.improved)
-                    new_params[b.scale] = b.transform.inv(lax.rsqrt(prec))
+                    new_scales[b.scale] = lax.rsqrt(prec)
+                    new_params[b.scale] = b.transform.inv(new_scales[b.scale])
                     curvature = [(scale**2 * st.h - 1.0).reshape(-1)]
                 else:
                     prec, curvature = scale**-2, []
@@ -420,6 +424,7 @@ class BLR(GuideOptimizer):
                         w = 0.5 * (w + w.T)
                     new_tril = full_scale_tril_update(tril, None, lr, self.improved, w)
                     new_params[b.loc] = m - lr * (new_tril @ (new_tril.T @ mbar))
+                    new_scales[b.scale] = new_tril
                     new_params[b.scale] = b.transform.inv(new_tril)
                     direction[b.loc] = jnp.concatenate([u, jnp.diagonal(w) - 1.0])
             checked[b.loc] = (st.g, new_params[b.loc])
@@ -464,7 +469,7 @@ class BLR(GuideOptimizer):
         if adaptive:  # a skipped step halves the averaged blocks' rho (without averaging: the one step size)
             skipped = schedule.skipped if averaging else (lambda c: 2.0 * c + schedule.halving_steps)
         proposed = s._replace(momentum=new_mom, point_precision=new_point_prec, mean_scale_tril=new_mean_tril)
-        target = self._guide_moments(new_params, self._averaged(params, layout)) if averaging else {}
+        target = self._guide_moments(new_params, self._averaged(params, layout), new_scales) if averaging else {}
 
         def finish(old, ok):
             """The state once the adapter knows whether the step was finite: the trace records the step

@@ -40,3 +40,27 @@ def test_full_block_uses_the_gather_transform_only_for_numpyros_default():
     other = GaussianBlock(FULL, "auto_loc", "auto_scale_tril", constraints.lower_cholesky)
     assert isinstance(default.transform, GatherScaledUnitLowerCholesky)
     assert not isinstance(other.transform, GatherScaledUnitLowerCholesky)
+
+
+@pytest.mark.parametrize(
+    "kind, constraint, size",
+    [
+        ("diagonal", constraints.softplus_positive, 4),
+        ("diagonal", constraints.positive, 4),
+        (FULL, constraints.scaled_unit_lower_cholesky, 10),  # d = 4
+        (FULL, constraints.lower_cholesky, 10),
+    ],
+)
+def test_scaling_tangent_is_the_derivative_of_the_scaled_raw_parameter(kind, constraint, size):
+    """d/dc T^-1(c T(x)) at c = 1, closed form for NumPyro's defaults, a JVP otherwise; and moving x
+    along it scales s or L (to first order)."""
+    block = GaussianBlock(kind, "auto_loc", "auto_scale", constraint)
+    with jax.enable_x64(True):
+        x = jax.random.normal(jax.random.PRNGKey(size), (size,), dtype=jnp.float64)
+        x = x.at[-4:].set(jnp.array([-30.0, -2.0, 0.5, 40.0]))  # tiny to large scales
+        t = block.transform
+        expected = jax.jvp(lambda c: t.inv(c * t(x)), (1.0,), (1.0,))[1]
+        got = block.scaling_tangent(x)
+        np.testing.assert_allclose(got, expected, rtol=1e-10, atol=1e-12)
+        h = 1e-6
+        np.testing.assert_allclose((t(x + h * got) - t(x - h * got)) / (2 * h), t(x), rtol=1e-6, atol=1e-12)
