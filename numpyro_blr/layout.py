@@ -65,7 +65,7 @@ class GaussianBlock:
         :math:`\partial x/\partial s = 1/\sigma(x) = 1/(1 - e^{-s})`, so :math:`\partial x/\partial c = s/(1 - e^{-s})`
         (for ``scaled_unit_lower_cholesky`` on the softplus diagonal; its unit-lower part does not move).
         Other constraints: the JVP of the inverse transform (XLA on CPU compiles the JVP of
-        :math:`\log(-\operatorname{expm1}(-s))` into a 20 KB kernel; this one is 5 KB).
+        :math:`\log(-\operatorname{expm1}(-s))` into a 20 KB kernel; this one is 6 KB).
         """
         scale = self.transform(raw)
         if self.scale_constraint is constraints.softplus_positive:
