@@ -18,6 +18,16 @@ parameters (and, with the guide, the sites) concerned and the one change that fi
   0 +- 0.16) while its geometric average is above ``UNCONVERGED_SDS``;
 * **collapsed variance**: a standard deviation at the rounding level of its mean
   (below ``COLLAPSE_EPS`` machine epsilons times :math:`\max(1, |m|)`);
+* **ill-conditioned for the dtype**: the condition number :math:`\kappa` of the posterior's correlation
+  matrix (read off the guide's full covariance, or off the dense precision that preconditions a
+  mean-field guide's mean step) exceeds ``ILL_CONDITIONED`` over the machine epsilon: a relative
+  perturbation of order :math:`\varepsilon` then moves the narrowest direction by more than itself,
+  and a fit can end far off with no other sign. Its scale does not count (floating point is
+  relative per coordinate: a design multiplied by 1e3 is no harder), its correlations do: on the
+  robustness bench the collinear design has :math:`\kappa \approx 2\times10^8`, every other case at
+  most :math:`6.4\times10^4`, and only that one fails in float32 (:math:`1/\varepsilon = 8.4\times10^6`);
+  a float32 regression with :math:`\kappa = 3\times10^6` still ends with means within 0.002 sd and
+  sds 4% low;
 * **still damped**: backtracking (:meth:`~numpyro_blr.BLR._backtrack`) still shortened the mean
   step on more than ``DAMPED_FRACTION`` of the recent steps (``FitTrace.damped_recent``): the
   local quadratic model of the loss keeps failing where the fit ended. Steps damped early in a
@@ -39,6 +49,8 @@ DIVERGENCE_FRACTION = 0.25
 UNCONVERGED_SDS = 1.0
 UNCONVERGED_PERSISTENCE = 0.7
 COLLAPSE_EPS = 10.0
+ILL_CONDITIONED = 1.0  # kappa * eps above which the correlation matrix's narrowest direction is not resolved
+CONDITION_MAX_DIM = 1024  # larger dense blocks are not checked (an eigendecomposition on the host at every report)
 MIN_STEPS = 10  # no verdict on convergence before this many steps
 DAMPED_FRACTION = 0.3
 
@@ -153,6 +165,7 @@ class FitReport(NamedTuple):
     problem_keys: list  # one hashable key per problem (its kind and the names concerned), for warning once
     damped_steps: int = 0  # mean steps shortened by backtracking
     damped_recent: float = 0.0  # recent fraction of such steps (exponential average, weight 0.05)
+    ill_conditioned: dict = {}  # scale parameter -> condition number of the correlations it carries (dtype-limited)
 
     def __str__(self):
         lines = [
@@ -186,6 +199,20 @@ def _by_site(name, values, guide):
     except Exception:  # noqa: BLE001 - an uninitialised or foreign guide: report by parameter
         return {name: values}
     return {k: np.asarray(v) for k, v in sites.items()}
+
+
+def correlation_condition(scale_tril):
+    r"""Condition number of the correlation matrix of :math:`\Sigma = L L^\top` (computed in float64 on
+    the host); ``inf`` when it is singular, NaN when :math:`L` is not finite."""
+    factor = np.asarray(scale_tril, dtype=np.float64)
+    if not np.all(np.isfinite(factor)):
+        return float("nan")
+    cov = factor @ factor.T
+    sd = np.sqrt(np.diag(cov))
+    if np.any(sd == 0):
+        return float("inf")
+    eig = np.linalg.eigvalsh(cov / np.outer(sd, sd))
+    return float(eig[-1] / eig[0]) if eig[0] > 0 else float("inf")
 
 
 def fit_report(result, optimizer=None, guide=None):
@@ -280,6 +307,31 @@ def fit_report(result, optimizer=None, guide=None):
         )
         keys.append(("collapsed",) + tuple(collapsed))
 
+    ill = {}
+    dense = [(b.scale, b.transform(s.params[b.scale]), s.params[b.loc]) for b in getattr(layout, "blocks", ()) if b.kind == FULL]
+    joint = [b for b in getattr(layout, "blocks", ()) if b.kind == DIAGONAL]
+    mean_tril = getattr(s.algorithm, "mean_scale_tril", None)
+    if joint and mean_tril is not None and np.size(mean_tril):  # the mean-field guide's dense preconditioner
+        dense.append((", ".join(b.scale for b in joint), mean_tril, s.params[joint[0].loc]))
+    for name, tril, loc in dense:
+        if np.ndim(tril) != 2 or np.shape(tril)[-1] > CONDITION_MAX_DIM:
+            continue
+        kappa = correlation_condition(tril)
+        eps = float(np.finfo(np.asarray(loc).dtype).eps)
+        if kappa * eps > ILL_CONDITIONED:  # NaN compares false: a non-finite factor is reported above
+            ill[name] = kappa
+    if ill:
+        dtype = np.asarray(s.params[next(b.loc for b in layout.blocks if b.kind in (DIAGONAL, FULL))]).dtype
+        listed = ", ".join(f"{k} ({v:.3g})" for k, v in ill.items())
+        problems.append(
+            f"nb.BLR: after {steps} steps the posterior's correlations are too ill-conditioned for {dtype.name} "
+            f"(condition number of the correlation matrix carried by {listed}; {dtype.name} resolves about "
+            f"{ILL_CONDITIONED / np.finfo(dtype).eps:.3g}): its narrowest directions are lost to rounding and the fit "
+            "may be wrong. Enable 64-bit floats (numpyro.enable_x64() at the start of the program), or remove the "
+            "near-collinear directions from the model (drop or combine predictors that nearly repeat each other)."
+        )
+        keys.append(("ill-conditioned",) + tuple(ill))
+
     damped = int(getattr(tr, "damped", 0))
     damped_recent = float(getattr(tr, "damped_recent", 0.0))
     if damped_recent > DAMPED_FRACTION and steps >= MIN_STEPS and not diverged:
@@ -293,4 +345,4 @@ def fit_report(result, optimizer=None, guide=None):
         keys.append(("damped",))
 
     return FitReport(steps, skipped, bad_params, rho, halvings, avg, best, sd, diverged, unconverged, collapsed,
-                     problems, keys, damped, damped_recent)
+                     problems, keys, damped, damped_recent, ill)

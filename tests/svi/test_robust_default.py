@@ -146,6 +146,37 @@ def test_collapsed_variance_is_reported():
     assert any("collapsed" in m and "x_auto_scale" in m for m in messages), messages
 
 
+@pytest.mark.parametrize("guide_cls, scale", [(AutoMultivariateNormal, "auto_scale_tril"), (AutoNormal, "w_auto_scale")])
+def test_correlations_beyond_the_dtype_are_reported(guide_cls, scale):
+    """Two predictors equal to 2e-4 (flat prior): the posterior's correlation matrix has condition
+    number ~4e8, beyond float32's 1/eps = 8.4e6. In float32 the fit's sds along the pair come out
+    wrong (AutoMultivariateNormal: 2.2x the exact ones) and nothing else in the run looks wrong: the
+    report says so and what to change; in float64 the same fit is within 5% of the exact posterior
+    and says nothing."""
+    rng = np.random.default_rng(0)
+    z = rng.normal(size=(200, 1))
+    X = np.hstack([z, z + 2e-4 * rng.normal(size=(200, 1)), np.ones((200, 1))])
+    y = X @ np.array([1.0, 1.0, 0.5]) + rng.normal(size=200)
+
+    def model(X, y=None):
+        w = numpyro.sample("w", dist.Normal(0.0, 1e4).expand([3]).to_event(1))
+        numpyro.sample("y", dist.Normal(X @ w, 1.0), obs=y)
+
+    exact_sd = np.sqrt(np.diag(np.linalg.inv(X.T @ X + np.eye(3) / 1e8)))
+    result, messages = _run(model, guide_cls(model), nb.BLR(), 200, jnp.asarray(X, jnp.float32), jnp.asarray(y, jnp.float32))
+    report = nb.fit_report(result)
+    assert list(report.ill_conditioned) == [scale] and report.ill_conditioned[scale] > 1e8
+    assert any("ill-conditioned for float32" in m and scale in m and "enable_x64" in m for m in messages), messages
+    assert all("ill-conditioned" in m for m in messages), messages  # the only sign of the failure
+    with jax.enable_x64(True):
+        result, messages = _run(model, guide_cls(model), nb.BLR(), 200, jnp.asarray(X), jnp.asarray(y))
+    assert nb.fit_report(result).ill_conditioned == {}
+    assert not any("ill-conditioned" in m for m in messages), messages
+    if guide_cls is AutoMultivariateNormal:  # the full Gaussian is the exact posterior here
+        tril = np.asarray(result.params[scale])
+        np.testing.assert_allclose(np.sqrt(np.diag(tril @ tril.T)), exact_sd, rtol=0.05)
+
+
 def test_skipped_steps_halve_the_step_size():
     def model(broken=False):
         x = numpyro.sample("x", dist.Normal(0.0, 1.0))
