@@ -236,8 +236,8 @@ def _grad_and_loc_hessian(fn, params, names, forward_mode, scaled_blocks=()):
     :math:`\partial x/\partial c` of :math:`x(c) = T^{-1}(cL)` (:math:`T` the guide's scale transform;
     :meth:`~numpyro_blr.layout.GaussianBlock.scaling_tangent`), computed outside it: differentiating
     :math:`T^{-1}(c\,T(x))` inside the JVP compiled the inverse transform's tangent with the loss
-    (breast cancer, 100-step scan, compile CPU time: ``AutoMultivariateNormal`` 3.9-4.1 s -> 3.5-3.8 s,
-    ``AutoNormal`` 3.1-3.3 s -> 2.8-2.9 s).
+    (breast cancer, 100-step scan, XLA's CPU object code: ``AutoMultivariateNormal`` 373 -> 355 KB,
+    ``AutoNormal`` 341 -> 318 KB; ``bench/compile_profile.py``).
     It is a separate one-tangent JVP, not one more column of the Jacobian, so that the loc
     directions carry no tangent through the guide's scale transform and log-density. Measured
     both ways (the column as the raw scale's tangent in one batched JVP of D+1 directions): one
