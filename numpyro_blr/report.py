@@ -20,7 +20,7 @@ parameters (and, with the guide, the sites) concerned and the one change that fi
   (below ``COLLAPSE_EPS`` machine epsilons times :math:`\max(1, |m|)`);
 * **ill-conditioned for the dtype**: the condition number :math:`\kappa` of the posterior's correlation
   matrix (read off the guide's full covariance, or off the dense precision that preconditions a
-  mean-field guide's mean step) exceeds ``ILL_CONDITIONED`` over the machine epsilon: a relative
+  mean-field guide's mean step; blocks up to ``CONDITION_MAX_DIM`` numbers) exceeds ``ILL_CONDITIONED`` over the machine epsilon: a relative
   perturbation of order :math:`\varepsilon` then moves the narrowest direction by more than itself,
   and a fit can end far off with no other sign. Its scale does not count (floating point is
   relative per coordinate: a design multiplied by 1e3 is no harder), its correlations do: on the
@@ -50,7 +50,7 @@ UNCONVERGED_SDS = 1.0
 UNCONVERGED_PERSISTENCE = 0.7
 COLLAPSE_EPS = 10.0
 ILL_CONDITIONED = 1.0  # kappa * eps above which the correlation matrix's narrowest direction is not resolved
-CONDITION_MAX_DIM = 1024  # larger dense blocks are not checked (an eigendecomposition on the host at every report)
+CONDITION_MAX_DIM = 256  # larger dense blocks are not checked: an eigendecomposition on the host at every get_params (5 ms at 256)
 MIN_STEPS = 10  # no verdict on convergence before this many steps
 DAMPED_FRACTION = 0.3
 

@@ -148,7 +148,7 @@ def test_collapsed_variance_is_reported():
 
 @pytest.mark.parametrize("guide_cls, scale", [(AutoMultivariateNormal, "auto_scale_tril"), (AutoNormal, "w_auto_scale")])
 def test_correlations_beyond_the_dtype_are_reported(guide_cls, scale):
-    """Two predictors equal to 2e-4 (flat prior): the posterior's correlation matrix has condition
+    """Two predictors equal up to noise of sd 2e-4 (flat prior): the posterior's correlation matrix has condition
     number ~4e8, beyond float32's 1/eps = 8.4e6. In float32 the fit's sds along the pair come out
     wrong (AutoMultivariateNormal: 2.2x the exact ones) and nothing else in the run looks wrong: the
     report says so and what to change; in float64 the same fit is within 5% of the exact posterior
