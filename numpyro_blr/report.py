@@ -284,6 +284,7 @@ def fit_report(result, optimizer=None, guide=None):
         keys.append(("unconverged",) + tuple(sorted(unconverged)))
 
     collapsed = []
+    dense = []  # (name, Cholesky factor of a covariance, a loc of its dtype): the conditioning check below
     try:
         layout = optimizer.layout(s.params)
     except Exception:  # noqa: BLE001 - the state was made by another optimizer configuration
@@ -298,6 +299,8 @@ def fit_report(result, optimizer=None, guide=None):
         small = marginal_sd < COLLAPSE_EPS * eps * np.maximum(1.0, np.abs(m))
         if np.any(small):
             collapsed.append(b.scale)
+        if b.kind == FULL:
+            dense.append((b.scale, scale, m))
     if collapsed and not diverged:
         problems.append(
             f"nb.BLR: after {steps} steps the guide's standard deviation collapsed to the rounding level of the mean in {collapsed}: "
@@ -308,16 +311,15 @@ def fit_report(result, optimizer=None, guide=None):
         keys.append(("collapsed",) + tuple(collapsed))
 
     ill = {}
-    dense = [(b.scale, b.transform(s.params[b.scale]), s.params[b.loc]) for b in getattr(layout, "blocks", ()) if b.kind == FULL]
     joint = [b for b in getattr(layout, "blocks", ()) if b.kind == DIAGONAL]
     mean_tril = getattr(s.algorithm, "mean_scale_tril", None)
     if joint and mean_tril is not None and np.size(mean_tril):  # the mean-field guide's dense preconditioner
-        dense.append((", ".join(b.scale for b in joint), mean_tril, s.params[joint[0].loc]))
+        dense.append((", ".join(b.scale for b in joint), mean_tril, np.asarray(s.params[joint[0].loc])))
     for name, tril, loc in dense:
         if np.ndim(tril) != 2 or np.shape(tril)[-1] > CONDITION_MAX_DIM:
             continue
         kappa = correlation_condition(tril)
-        eps = float(np.finfo(np.asarray(loc).dtype).eps)
+        eps = float(np.finfo(loc.dtype).eps)
         if kappa * eps > ILL_CONDITIONED:  # NaN compares false: a non-finite factor is reported above
             ill[name] = kappa
     if ill:
