@@ -33,6 +33,7 @@ from numpyro_blr.liegroup_guide import LieGroupBLR, LieGroupGuide
 from numpyro_blr.rules.liegroup import Rayleigh
 from numpyro_blr.rules.diagonal import as_optax, perturbed
 from numpyro_blr.core import Algorithm, StepInfo, predictive
+from numpyro_blr.compile_once import Trace_ELBO, enable_compilation_cache, fit
 from numpyro_blr import parallel
 from numpyro_blr.parallel import (
     ScaleError,
@@ -49,6 +50,10 @@ from numpyro_blr.parallel import (
 
 __all__ = [
     "Algorithm",
+    "Trace_ELBO",
+    "enable_compilation_cache",
+    "fit",
+    "workflow",
     "BLR",
     "StepInfo",
     "as_optax",
@@ -112,7 +117,7 @@ __all__ = [
 ]
 __version__ = "0.1.0"
 
-_LAZY_SUBMODULES = ("diagnostics",)
+_LAZY_SUBMODULES = ("diagnostics", "workflow")
 
 
 def __getattr__(name):

@@ -77,6 +77,27 @@ class GaussianBlock:
         return jax.jvp(self.transform.inv, (scale,), (scale,))[1]
 
 
+_COMPILED_TRANSFORMS = {}
+
+
+def _compiled_transform(constraint, inverse):
+    key = (id(constraint), inverse)  # constraints are module-level instances; the entry holds this one
+    if key not in _COMPILED_TRANSFORMS:
+        block = GaussianBlock(FULL, "", "", constraint)
+        transform = block.transform.inv if inverse else block.transform
+        _COMPILED_TRANSFORMS[key] = (constraint, jax.jit(lambda x: transform(x)))  # transforms are not hashable
+    return _COMPILED_TRANSFORMS[key][1]
+
+
+def apply_transform(block, x, inverse=False):
+    """``block.transform(x)`` (or its inverse), compiled as one program where ``x`` is concrete: op by op, each
+    operation of a transform is compiled on first use (0.5 s for ``AutoMultivariateNormal``'s, at the end of
+    every first run in a process); under a trace, the transform itself."""
+    if isinstance(x, jax.core.Tracer):
+        return block.transform.inv(x) if inverse else block.transform(x)
+    return _compiled_transform(block.scale_constraint, bool(inverse))(x)
+
+
 @lru_cache(maxsize=None)
 def _tril_gather_indices(n):
     """Constant indices for :class:`GatherScaledUnitLowerCholesky` (``n x n`` matrices)."""

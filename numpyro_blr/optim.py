@@ -41,7 +41,7 @@ from jax.scipy.linalg import solve_triangular
 
 from numpyro_blr import expfam_blocks
 from numpyro_blr.estimators import HESSIANS, at_mean, estimate, hoist_constant_work
-from numpyro_blr.layout import DIAGONAL, EXPFAM, FULL, POINT
+from numpyro_blr.layout import DIAGONAL, EXPFAM, FULL, POINT, apply_transform
 from numpyro_blr.parallel import check_guide_memory
 from numpyro_blr.report import FitTrace, fit_report, next_trace
 from numpyro_blr.rules.blr import (
@@ -298,7 +298,7 @@ class BLR(GuideOptimizer):
         out = dict(params)
         for b in self._averaged(params, self.layout(params)):
             out[b.loc] = state.average[b.loc]
-            out[b.scale] = b.transform.inv(state.average[b.scale])
+            out[b.scale] = apply_transform(b, state.average[b.scale], inverse=True)
         return out
 
     # -- the step --------------------------------------------------------------------------

@@ -41,7 +41,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from numpyro_blr.layout import DIAGONAL, FULL
+from numpyro_blr.layout import DIAGONAL, FULL, apply_transform
 
 DIVERGENCE_NATS = 10.0
 DIVERGENCE_SDS = 6.0
@@ -293,7 +293,7 @@ def fit_report(result, optimizer=None, guide=None):
         if b.kind not in (DIAGONAL, FULL):
             continue
         m = np.asarray(s.params[b.loc])
-        scale = np.asarray(b.transform(s.params[b.scale]))
+        scale = np.asarray(apply_transform(b, s.params[b.scale]))
         marginal_sd = scale if b.kind == DIAGONAL else np.sqrt(np.sum(scale**2, axis=-1))
         eps = np.finfo(m.dtype).eps
         small = marginal_sd < COLLAPSE_EPS * eps * np.maximum(1.0, np.abs(m))

@@ -130,7 +130,10 @@ class GuideOptimizer(_NumPyroOptim):
             key = tuple(sorted((k, str(jax.tree.map(jnp.shape, v))) for k, v in params.items()))  # names, shapes
             if key not in self._traced_layouts:
                 args, kwargs = self.guide_args
-                self._traced_layouts[key] = trace_layout(self.guide, params, args, kwargs, self.fallback)
+                # read off concrete stand-ins, also when the step is being traced (nb.fit traces init and steps
+                # as one program): the guide's own constants must not become tracers
+                with jax.ensure_compile_time_eval():
+                    self._traced_layouts[key] = trace_layout(self.guide, params, args, kwargs, self.fallback)
             layout = self._traced_layouts[key]
         else:
             layout = read_layout(params, self.prefix, self.scale_constraint, self.scale_tril_constraint)
@@ -179,12 +182,18 @@ class GuideOptimizer(_NumPyroOptim):
         nothing is stored here."""
         i, s = state
         check_foreign_state(s, GuideState, self.algorithm.name)
-        if not isinstance(s.skipped, jax.core.Tracer) and int(i):
-            for _, message in self.algorithm.report((i, s), self):
-                warnings.warn(message, RuntimeWarning, stacklevel=3)  # <- get_params <- SVI.get_params
+        self.warn(state, stacklevel=4)  # <- warn <- get_params <- SVI.get_params
         if self.algorithm.result is not None:
             return self.algorithm.result(s.algorithm, s.params)
         return s.params
+
+    def warn(self, state, stacklevel=2):
+        """Warn about what the algorithm's end-of-run report finds wrong (nothing under ``jit``)."""
+        i, s = state
+        check_foreign_state(s, GuideState, self.algorithm.name)
+        if not isinstance(s.skipped, jax.core.Tracer) and int(i):
+            for _, message in self.algorithm.report((i, s), self):
+                warnings.warn(message, RuntimeWarning, stacklevel=stacklevel)
 
     def update(self, g, state, value=None):
         raise TypeError(

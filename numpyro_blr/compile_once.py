@@ -1,0 +1,689 @@
+r"""Compile once, fit many: :func:`fit`, a deterministic :class:`Trace_ELBO` and :func:`enable_compilation_cache`.
+
+``SVI(model, guide, optim, loss).run(key, n, *data)`` pays three costs before its first step, every
+time: NumPyro's autoguide setup runs the model eagerly (hundreds of one-operation programs, each
+compiled on first use: 1-5 s), ``svi.init`` runs eagerly again, and ``run`` builds a new function on
+each call, so the steps compile again for new data of the same shapes (with the progress bar the data
+are even baked into the program as constants). :func:`fit` runs the same algorithm as one program:
+
+.. math::
+    \texttt{program}(k, x) = \operatorname{scan}^{n}\big(\texttt{svi.update}(\cdot, x),\;
+    \texttt{svi.init}(k, x)\big),
+
+jit-compiled with the data :math:`x` as arguments (never as constants) and the guide's setup traced
+into it, and cached per (model, guide, optimizer configuration, loss, steps, non-array arguments);
+JAX's own cache then keys it by the arrays' shapes and dtypes, so a refit with new data of the same
+shapes runs the steps alone, and new shapes recompile silently.
+
+The guide's setup inside a traced program leaves traced values in the guide object (its prototype
+trace, initial locations, the closures over the data that ``guide.median`` and
+``guide.sample_posterior`` call later). :func:`fit` returns those values from the program and puts
+the concrete ones back (:func:`_replace_tracers` walks NumPyro's objects, containers, partials and
+closures); if any traced value is left that it cannot account for, it sets the guide up again
+eagerly, as ``SVI.run`` does, and says nothing: the result is the same.
+
+:class:`Trace_ELBO` is NumPyro's with the sites summed in sorted name order. NumPyro sums them in
+the order of a Python ``set`` (``numpyro/infer/elbo.py``: ``set(model_log_probs).union(...)``),
+which follows ``PYTHONHASHSEED``: the program text then differs between processes and JAX's
+persistent compilation cache (:func:`enable_compilation_cache`) never hits; the loss also differs
+in the last bit between processes for the same key. An upstream fix is one line:
+``for name in sorted(union)``. :func:`fit` uses this class in place of a plain
+``numpyro.infer.Trace_ELBO`` (same ``num_particles`` and options).
+"""
+
+from __future__ import annotations
+
+import collections
+import copy
+import functools
+import math
+import os
+import pathlib
+import threading
+import types
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax import lax
+from numpyro import handlers
+from numpyro.infer import SVI
+from numpyro.infer import Trace_ELBO as _NumPyroTraceELBO
+from numpyro.infer.svi import SVIRunResult, SVIState
+from numpyro.optim import _NumPyroOptim
+
+__all__ = ["Trace_ELBO", "fit", "enable_compilation_cache", "cache_info", "cache_clear"]
+
+
+class Trace_ELBO(_NumPyroTraceELBO):  # noqa: N801 - NumPyro's name
+    """NumPyro's ``Trace_ELBO``, with the ELBO's sites taken in sorted name order.
+
+    NumPyro's ``single_particle_elbo`` forms ``log p - log q`` per site and sums them in the order of a
+    Python ``set``; this one does the same in sorted order (the rest is NumPyro's code path: the same
+    traces, checks, mutable state and particles). The value equals NumPyro's up to the order of a
+    floating-point sum, and the compiled program is the same in every process, which JAX's
+    persistent compilation cache needs to hit. A drop-in: ``SVI(model, guide, nb.BLR(), nb.Trace_ELBO())``.
+    A guide that proposes several samples (``multi_sample_guide=True``) or ``sum_sites=False`` use
+    NumPyro's code unchanged.
+    """
+
+    def loss_with_mutable_state(self, rng_key, param_map, model, guide, *args, **kwargs):
+        if self.multi_sample_guide or not self.sum_sites:
+            return super().loss_with_mutable_state(rng_key, param_map, model, guide, *args, **kwargs)
+        from numpyro.infer.elbo import compute_log_probs
+        from numpyro.util import _validate_model, check_model_guide_match
+
+        def single_particle_elbo(key):
+            params = param_map.copy()
+            model_seed, guide_seed = jax.random.split(key)
+            guide_log_probs, guide_trace = compute_log_probs(handlers.seed(guide, guide_seed), args, kwargs, param_map)
+            mutable = {n: site["value"] for n, site in guide_trace.items() if site["type"] == "mutable"}
+            params.update(mutable)
+            replayed = handlers.replay(handlers.seed(model, model_seed), guide_trace)
+            model_log_probs, model_trace = compute_log_probs(replayed, args, kwargs, params)
+            check_model_guide_match(model_trace, guide_trace)
+            _validate_model(model_trace, plate_warning="loose")
+            mutable.update({n: site["value"] for n, site in model_trace.items() if site["type"] == "mutable"})
+            elbo = jnp.array(0.0)
+            for name in sorted(set(model_log_probs) | set(guide_log_probs)):  # NumPyro: the set's order
+                elbo = elbo + (model_log_probs.get(name, jnp.array(0.0)) - guide_log_probs.get(name, jnp.array(0.0)))
+            if mutable:
+                if self.num_particles == 1:
+                    return elbo, mutable
+                warnings.warn("mutable state is currently ignored when num_particles > 1.", stacklevel=2)
+            return elbo, None
+
+        if self.num_particles == 1:
+            elbo, mutable = single_particle_elbo(rng_key)
+            return {"loss": -elbo, "mutable_state": mutable}
+        elbos, mutable = self.vectorize_particles_fn(single_particle_elbo, jax.random.split(rng_key, self.num_particles))
+        return {"loss": -jnp.mean(elbos), "mutable_state": mutable}
+
+
+def _ordered_loss(loss):
+    """``loss`` with its sites summed in a fixed order, where that is known to be the same loss."""
+    if loss is None:
+        return Trace_ELBO()
+    if type(loss) is _NumPyroTraceELBO:
+        ordered = Trace_ELBO.__new__(Trace_ELBO)
+        ordered.__dict__.update(vars(loss))
+        return ordered
+    if not (hasattr(loss, "loss_with_mutable_state") or hasattr(loss, "loss")):
+        raise TypeError(
+            f"loss must be a NumPyro ELBO (numpyro.infer.Trace_ELBO(), TraceMeanField_ELBO(), ...) or None for "
+            f"nb.Trace_ELBO(), got {loss!r} of type {type(loss).__name__}."
+        )
+    return loss
+
+
+# -- keys -----------------------------------------------------------------------------------------
+def _freeze(value, depth=0):
+    """A hashable stand-in for a configuration value: the value itself where it is hashable and compares
+    by value, a tuple for containers, ``("id", id)`` otherwise (the cache entry holds the object, so the
+    id cannot be reused while the entry lives)."""
+    if value is None or isinstance(value, (bool, int, float, complex, str, bytes, np.generic)):
+        return value
+    if depth < 4 and isinstance(value, (tuple, list)):
+        return (type(value).__name__,) + tuple(_freeze(v, depth + 1) for v in value)
+    if depth < 4 and isinstance(value, dict):
+        return ("dict",) + tuple(sorted(((str(k), _freeze(v, depth + 1)) for k, v in value.items()), key=repr))
+    if depth < 4 and type(value).__module__.startswith("numpyro_blr") and hasattr(value, "__dict__"):
+        return (type(value).__qualname__,) + _freeze(vars(value), depth + 1)
+    return ("id", id(value))
+
+
+def _optimizer_key(optim):
+    """Our optimizers (``nb.BLR``, ``nb.IVON``, ...) by their configuration: two ``nb.BLR()`` share a program.
+    Any other optimizer by the object itself."""
+    from numpyro_blr.svi import GuideOptimizer
+
+    if isinstance(optim, GuideOptimizer):
+        config = {k: v for k, v in vars(optim).items() if k not in ("algorithm", "_traced_layouts")}
+        return (type(optim).__qualname__, _freeze(config))
+    return ("id", id(optim))
+
+
+def _loss_key(loss):
+    return (type(loss).__qualname__, _freeze(vars(loss)) if hasattr(loss, "__dict__") else id(loss))
+
+
+def _is_data(x):
+    return isinstance(x, (jax.Array, np.ndarray))
+
+
+def _split(args, kwargs):
+    """(arrays, rebuild, signature): the array leaves of ``(args, kwargs)`` are the program's inputs; the
+    rest (Python numbers, strings, functions) is part of its key and stays static."""
+    leaves, treedef = jax.tree.flatten((args, kwargs))
+    arrays = [x for x in leaves if _is_data(x)]
+    static = tuple(None if _is_data(x) else x for x in leaves)
+    is_array = tuple(_is_data(x) for x in leaves)
+
+    def rebuild(values):
+        it = iter(values)
+        return jax.tree.unflatten(treedef, [next(it) if a else s for a, s in zip(is_array, static)])
+
+    try:
+        hash(static)
+        static_key = static
+    except TypeError:
+        static_key = tuple(x if _hashable(x) else ("id", id(x)) for x in static)
+    return arrays, rebuild, (treedef, is_array, static_key)
+
+
+def _hashable(x):
+    try:
+        hash(x)
+        return True
+    except TypeError:
+        return False
+
+
+# -- traced values left in the guide --------------------------------------------------------------
+_ATOMS = (str, bytes, int, float, complex, bool, type(None), type, np.ndarray, np.generic)
+
+
+def _replace_tracers(root, replace):
+    """Walk ``root`` (NumPyro objects, containers, ``functools.partial``, closures) and replace every
+    ``jax.core.Tracer`` ``t`` by ``replace(t)`` in place (tuples and partials are rebuilt)."""
+    memo = {}
+
+    def walk(obj):
+        if isinstance(obj, jax.core.Tracer):
+            return replace(obj)
+        if isinstance(obj, _ATOMS) or isinstance(obj, jax.Array):
+            return obj
+        oid = id(obj)
+        if oid in memo:
+            return memo[oid]
+        memo[oid] = obj
+        if isinstance(obj, dict):
+            for k, v in list(obj.items()):
+                new = walk(v)
+                if new is not v:
+                    obj[k] = new
+            return obj
+        if isinstance(obj, list):
+            for i, v in enumerate(obj):
+                new = walk(v)
+                if new is not v:
+                    obj[i] = new
+            return obj
+        if isinstance(obj, tuple):
+            items = [walk(v) for v in obj]
+            if all(a is b for a, b in zip(items, obj)):
+                return obj
+            new = type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
+            memo[oid] = new
+            return new
+        if isinstance(obj, functools.partial):
+            func, args, kw = walk(obj.func), [walk(a) for a in obj.args], {k: walk(v) for k, v in obj.keywords.items()}
+            if func is obj.func and all(a is b for a, b in zip(args, obj.args)) and all(kw[k] is v for k, v in obj.keywords.items()):
+                return obj
+            new = functools.partial(func, *args, **kw)
+            memo[oid] = new
+            return new
+        if isinstance(obj, types.FunctionType):
+            for cell in obj.__closure__ or ():
+                try:
+                    value = cell.cell_contents
+                except ValueError:  # an empty cell
+                    continue
+                new = walk(value)
+                if new is not value:
+                    cell.cell_contents = new
+            return obj
+        if isinstance(obj, types.MethodType):
+            walk(obj.__self__)
+            return obj
+        if type(obj).__module__.split(".")[0] in ("numpyro", "numpyro_blr") and hasattr(obj, "__dict__"):
+            d = vars(obj)
+            for k, v in list(d.items()):
+                new = walk(v)
+                if new is not v:
+                    d[k] = new
+            return obj
+        return obj
+
+    walk(root)
+
+
+def _leaked_tracers(root):
+    found = {}
+
+    def record(t):
+        found.setdefault(id(t), t)
+        return t
+
+    _replace_tracers(root, record)
+    return list(found.values())
+
+
+class _Setup:
+    """What a trace of the program left in the guide and SVI objects: recorded during tracing, put back
+    with concrete values after the call."""
+
+    def __init__(self):
+        self.pending = None  # (refs, n_outputs) of the last trace, until the call returns
+
+    def collect(self, svi, inputs):
+        """Inside the trace: the traced values left in ``svi`` (its guide included); those of this trace
+        that are not inputs become outputs of the program, the inputs are mapped to the call's arguments."""
+        leaves = jax.tree.leaves(inputs)
+        outer = {id(getattr(x, "_trace", None)) for x in leaves if isinstance(x, jax.core.Tracer)}
+        by_input = {id(x): i for i, x in enumerate(leaves)}
+        refs, outputs = {}, []
+        for t in _leaked_tracers(svi):
+            if id(t) in by_input:
+                refs[id(t)] = ("input", by_input[id(t)])
+            elif id(getattr(t, "_trace", None)) in outer:
+                refs[id(t)] = ("output", len(outputs))
+                outputs.append(t)
+            else:  # a value of an inner trace (a scan's body): as SVI.run leaves it, never read again
+                refs[id(t)] = ("leave", None)
+        self.pending = refs
+        return outputs
+
+    def restore(self, svi, inputs, outputs, resetup):
+        """After the call: concrete values in place of the traced ones; ``resetup()`` if any is left."""
+        refs, self.pending = self.pending, None
+        if refs is None:
+            return
+        leaves = jax.tree.leaves(inputs)
+        unknown = []
+
+        def replace(t):
+            ref = refs.get(id(t))
+            if ref is None:
+                unknown.append(t)
+                return t
+            kind, i = ref
+            if kind == "leave":
+                return t
+            return leaves[i] if kind == "input" else outputs[i]
+
+        _replace_tracers(svi, replace)
+        if unknown:
+            resetup()
+
+
+def _guide_has_setup(guide):
+    return hasattr(guide, "prototype_trace")
+
+
+# -- the programs ---------------------------------------------------------------------------------
+COMPILE_EFFORTS = ("auto", "low", "high")
+
+
+def _compiler_options(effort):
+    """XLA options for ``compile_effort``: ``"low"`` turns LLVM's optimisation off on the CPU backend
+    (``xla_backend_optimization_level=0``): on breast cancer (AutoMultivariateNormal) the BLR program
+    compiles in 1.1 s instead of 1.9 s and its 1,000 steps run in 0.32 s instead of 0.12 s
+    (``bench/bench_workflow.py`` measures it). ``"auto"`` is ``"low"`` on CPU for a single fit."""
+    if effort == "low" and jax.default_backend() == "cpu":
+        return {"xla_backend_optimization_level": 0}
+    return None
+
+
+class _Program:
+    """The compiled pieces of one cache entry (one model, guide, optimizer, loss, step count).
+
+    ``data`` is ``(arrays, extra)``: the array leaves of the call's ``(args, kwargs)`` and a dict of
+    further keyword arrays (the workflow's per-fit masks or simulated data; ``{}`` for :func:`fit`).
+    """
+
+    def __init__(self, model, guide, optim, loss, *, num_steps, chunk, stable_update, rebuild, compiler_options,
+                 owner=None, post=None, batch_size=None):
+        self.svi = SVI(model, guide, optim, loss)
+        self.owner = guide if owner is None else owner  # the object a guide's setup is stored in
+        self.num_steps, self.chunk = num_steps, chunk
+        self.stable_update = stable_update
+        self.rebuild = rebuild
+        self.post, self.batch_size = post, batch_size
+        self.setup = _Setup()
+        self.lock = threading.Lock()
+        jit = functools.partial(jax.jit, compiler_options=compiler_options) if compiler_options else jax.jit
+        self._run = jit(self._run_fn)
+        self._init = jit(self._init_fn)
+        self._steps = jit(self._steps_fn)
+        self._params = jit(self._params_fn)
+        self._many = jit(self._many_fn)
+
+    def _arguments(self, data):
+        arrays, extra = data
+        args, kwargs = self.rebuild(arrays)
+        return args, {**kwargs, **extra}
+
+    def _update(self, state, data):
+        args, kwargs = self._arguments(data)
+        svi = self.svi
+        return (svi.stable_update if self.stable_update else svi.update)(state, *args, **kwargs)
+
+    def _scan(self, state, data, length):
+        return lax.scan(lambda s, _: self._update(s, data), state, None, length=length)
+
+    def _start(self, rng_key, data, checks=True):
+        args, kwargs = self._arguments(data)
+        if checks:
+            check_observations(self.svi.model, args, kwargs)
+        state = self.svi.init(rng_key, *args, **kwargs)
+        if checks:
+            check_guide_sites(self.svi, state, args, kwargs)
+        return state
+
+    def _run_fn(self, rng_key, data):
+        state = self._start(rng_key, data)
+        state, losses = self._scan(state, data, self.num_steps)
+        return state, losses, self.svi.get_params(state), self.setup.collect(self.svi, (rng_key, data))
+
+    def _init_fn(self, rng_key, data):
+        state = self._start(rng_key, data)
+        return state, self.setup.collect(self.svi, (rng_key, data))
+
+    def _steps_fn(self, state, data):
+        return self._scan(state, data, self.chunk)
+
+    def _params_fn(self, state):
+        return self.svi.get_params(state)  # under jit: no warnings, and the constraints in one program
+
+    def _many_fn(self, rng_keys, data, batch):
+        """One fit per leading index of ``rng_keys`` and of the arrays in ``batch`` (keyword arguments
+        added to each fit's), vectorised ``batch_size`` fits at a time; ``post(params, key, args, kwargs)``
+        is evaluated on each fit inside the program."""
+        arrays, extra = data
+        leaked = []
+        if self.needs_setup():  # the guide's setup, traced once outside the vectorised fits (its values are outputs)
+            self._start(rng_keys[0], (arrays, {**extra, **jax.tree.map(lambda v: v[0], batch)}))
+            leaked = self.setup.collect(self.svi, (rng_keys, data, batch))
+
+        def one(xs):
+            key, b = xs
+            fit_key, post_key = jax.random.split(key)
+            d = (arrays, {**extra, **b})
+            state = self._start(fit_key, d, checks=False)
+            state, losses = self._scan(state, d, self.num_steps)
+            params = self.svi.get_params(state)
+            out = self.post[0](params, post_key, *self._arguments(d), *self.post[1:]) if self.post else ()
+            return state, losses, params, out
+
+        xs = (rng_keys, batch)
+        m = len(rng_keys)
+        size = min(self.batch_size or m, m)
+        if size >= m:
+            return (*jax.vmap(one)(xs), leaked)
+        full = (m // size) * size  # lax.map over groups of `size` fits, vmapped within a group; then the rest
+        grouped = jax.tree.map(lambda x: x[:full].reshape((m // size, size) + x.shape[1:]), xs)
+        out = jax.tree.map(lambda x: x.reshape((full,) + x.shape[2:]), lax.map(jax.vmap(one), grouped))
+        if full < m:
+            rest = jax.vmap(one)(jax.tree.map(lambda x: x[full:], xs))
+            out = jax.tree.map(lambda a, b: jnp.concatenate([a, b]), out, rest)
+        return (*out, leaked)
+
+    def needs_setup(self):
+        return getattr(self.owner, "prototype_trace", False) is None
+
+    def _resetup(self, rng_key, data):
+        """Set the guide up eagerly, as ``SVI.run`` does (the fallback when traced values are left)."""
+        if _guide_has_setup(self.owner):
+            self.owner.prototype_trace = None
+        args, kwargs = self._arguments(data)
+        self.svi.init(rng_key, *args, **kwargs)
+
+    def _call(self, fn, rng_key, data):
+        """``fn(rng_key, data)`` (a program that starts a fit), then the guide's traced values put back."""
+        with self.lock:
+            *result, leaked = fn(rng_key, data)
+            self.setup.restore(self.svi, (rng_key, data), leaked, lambda: self._resetup(rng_key, data))
+        return result
+
+    def many(self, rng_keys, data, batch):
+        """``(states, losses, params, post)`` of ``len(rng_keys)`` fits, each with its slice of ``batch``."""
+        first = (data[0], {**data[1], **jax.tree.map(lambda v: v[0], batch)})
+        with self.lock:
+            *result, leaked = self._many(rng_keys, data, batch)
+            self.setup.restore(self.svi, (rng_keys, data, batch), leaked, lambda: self._resetup(rng_keys[0], first))
+        return result
+
+    def run(self, rng_key, data, init_state, progress_bar):
+        """``(state, losses, params)`` of a fit from ``rng_key`` (or continued from ``init_state``)."""
+        if init_state is None and not progress_bar:
+            return tuple(self._call(self._run, rng_key, data))
+        if init_state is None:
+            (init_state,) = self._call(self._init, rng_key, data)
+        state, losses = self._continue(init_state, data, progress_bar)
+        with self.lock:
+            params = self._params(state)
+        return state, losses, params
+
+    def _continue(self, state, data, progress_bar):
+        import tqdm
+
+        chunks = []
+        n = self.num_steps // self.chunk
+        with tqdm.trange(n * self.chunk, disable=not progress_bar, leave=True) as bar:
+            for _ in range(n):
+                with self.lock:
+                    state, losses = self._steps(state, data)
+                chunks.append(losses)
+                if progress_bar:
+                    last = np.asarray(losses)
+                    bar.set_postfix_str(f"init loss: {float(np.asarray(chunks[0])[0]):.4f}, avg. loss [last {len(last)}]: "
+                                        f"{float(np.nanmean(last)):.4f}", refresh=False)
+                bar.update(self.chunk)
+        return state, jnp.concatenate(chunks) if len(chunks) > 1 else chunks[0]
+
+
+def _chunk_length(num_steps, progress_bar):
+    """Steps per compiled call: all of them without a progress bar, else about a twentieth (a divisor)."""
+    if not progress_bar:
+        return num_steps
+    k = max(d for d in range(1, min(20, num_steps) + 1) if num_steps % d == 0)
+    return num_steps // k
+
+
+_CACHE_SIZE = 32
+_CACHE: "collections.OrderedDict" = collections.OrderedDict()
+_CACHE_LOCK = threading.Lock()
+
+
+def cache_info():
+    """How many compiled fits :func:`fit` holds (at most ``32``, least recently used dropped first)."""
+    return {"entries": len(_CACHE), "max_entries": _CACHE_SIZE}
+
+
+def cache_clear():
+    """Drop every compiled fit that :func:`fit` holds (JAX's own caches are not touched)."""
+    with _CACHE_LOCK:
+        _CACHE.clear()
+
+
+def _check_optimizer(optim):
+    if isinstance(optim, (_NumPyroOptim, optax.GradientTransformation)):
+        return optim
+    raise TypeError(
+        f"optim must be a NumPyro optimizer (nb.BLR(), nb.IVON(...), numpyro.optim.Adam(0.01), ...) or an optax "
+        f"GradientTransformation (optax.adam(1e-2)), got {optim!r} of type {type(optim).__name__}. "
+        "Leave it unset for nb.BLR()."
+    )
+
+
+def _check_guide(model, guide):
+    if not callable(guide):
+        raise TypeError(f"guide must be a NumPyro guide (an autoguide or a function), got {type(guide).__name__}.")
+    owner = getattr(guide, "model", None)
+    if owner is not None and callable(owner) and owner is not model:
+        raise ValueError(
+            f"guide is {type(guide).__name__} of the model {getattr(owner, '__name__', owner)!r}, not of the model "
+            f"{getattr(model, '__name__', model)!r} passed to fit: build it on that model, e.g. "
+            f"{type(guide).__name__}(model)."
+        )
+
+
+def fit(model, guide, *args, optim=None, num_steps=1000, rng_key=None, loss=None, progress_bar=True,
+        stable_update=False, init_state=None, compile_effort="auto", **kwargs):
+    r"""Fit ``guide`` to ``model``'s posterior: ``SVI(model, guide, optim, loss).run(rng_key, num_steps, *args, **kwargs)``,
+    compiled once.
+
+    :param model, guide: a NumPyro model and a guide of it (an autoguide built on ``model``, or a function).
+    :param args, kwargs: the model's arguments, as for ``svi.run``. Arrays (NumPy or JAX) are the
+        program's inputs; everything else (Python numbers, strings) is fixed into the program, and a
+        new value compiles a new one.
+    :param optim: any NumPyro optimizer or optax transformation; default ``nb.BLR()``.
+    :param num_steps: how many steps (a positive int).
+    :param rng_key: a ``jax.random`` key; default ``jax.random.PRNGKey(0)``.
+    :param loss: default :class:`Trace_ELBO` (a plain ``numpyro.infer.Trace_ELBO`` is replaced by it,
+        with the same options).
+    :param progress_bar: show a progress bar (the steps then run in about 20 compiled calls of one
+        program; without it init and every step are one program).
+    :param stable_update: as ``svi.run``'s.
+    :param init_state: continue from ``svi_result.state`` of an earlier fit (as ``svi.run``'s).
+    :param compile_effort: ``"low"`` (XLA's CPU backend without LLVM optimisation: shorter compile,
+        slower steps), ``"high"`` (JAX's default) or ``"auto"`` (``"low"`` on CPU, where a first fit
+        of a small model is mostly compilation; see ``docs/workflow.md`` for the figures).
+    :returns: NumPyro's ``SVIRunResult(params, state, losses)``, with the same end-of-run warnings
+        as ``svi.run`` (``nb.fit_report(result, guide=guide)`` shows the evidence).
+
+    The program is cached per (model, guide, optimizer configuration, loss, ``num_steps``, the
+    non-array arguments); JAX keys it further by the arrays' shapes and dtypes. A refit with new
+    data of the same shapes therefore costs the steps alone, in this process; across processes, see
+    :func:`enable_compilation_cache`. Our optimizers are keyed by their configuration (a new
+    ``nb.BLR()`` with the same options reuses the program); other optimizers, guides and models by the
+    object itself.
+    """
+    from numpyro_blr.optim import BLR
+
+    if isinstance(num_steps, bool) or not isinstance(num_steps, (int, np.integer)) or num_steps < 1:
+        raise ValueError(f"num_steps must be a positive int, got {num_steps!r}.")
+    num_steps = int(num_steps)
+    if compile_effort not in COMPILE_EFFORTS:
+        raise ValueError(f"compile_effort must be one of {COMPILE_EFFORTS}, got {compile_effort!r}.")
+    if not callable(model):
+        raise TypeError(f"model must be a NumPyro model (a callable), got {type(model).__name__}.")
+    _check_guide(model, guide)
+    optim = BLR() if optim is None else _check_optimizer(optim)
+    loss = _ordered_loss(loss)
+    if rng_key is None:
+        rng_key = jax.random.PRNGKey(0)
+    if init_state is not None and not isinstance(init_state, SVIState):
+        raise TypeError(f"init_state must be the state of an earlier fit (svi_result.state), got {type(init_state).__name__}.")
+    data, rebuild, signature = _split(args, kwargs)
+    data = [jnp.asarray(x) if isinstance(x, np.ndarray) else x for x in data]
+    chunk = _chunk_length(num_steps, progress_bar)
+    effort = "low" if compile_effort == "auto" else compile_effort
+    key = (id(model), id(guide), _optimizer_key(optim), _loss_key(loss), num_steps, chunk, bool(stable_update),
+           signature, effort)
+    with _CACHE_LOCK:
+        program = _CACHE.get(key)
+        if program is not None:
+            _CACHE.move_to_end(key)
+    if program is None:
+        program = _Program(model, guide, optim, loss, num_steps=num_steps, chunk=chunk, stable_update=bool(stable_update),
+                           rebuild=rebuild, compiler_options=_compiler_options(effort))
+        with _CACHE_LOCK:
+            _CACHE[key] = program
+            while len(_CACHE) > _CACHE_SIZE:
+                _CACHE.popitem(last=False)
+    state, losses, params = program.run(rng_key, (data, {}), init_state, progress_bar)
+    warn = getattr(optim, "warn", None)
+    if warn is not None:  # the end-of-run warnings svi.run's get_params gives
+        warn(state.optim_state, stacklevel=3)
+    return SVIRunResult(params, state, losses)
+
+
+# -- checks made while the program is traced (shapes only: no cost at run time) ---------------------
+def _argument_name(value, args, kwargs):
+    """The name of the argument ``value`` came from (by identity with the program's inputs), or ``None``."""
+    for i, a in enumerate(args):
+        if a is value:
+            return f"argument {i}"
+    for k, v in kwargs.items():
+        if v is value:
+            return f"argument {k!r}"
+    return None
+
+
+def check_observations(model, args, kwargs):
+    """Raise, naming the site and the argument, where an observed site's data would broadcast against its
+    distribution into another shape (``y`` of shape ``(N, 1)`` against a plate of ``N``), or cannot
+    broadcast (arguments whose leading sizes disagree). Runs on a trace of the model: shapes only."""
+    with handlers.block(), handlers.seed(rng_seed=0):
+        model_trace = handlers.trace(model).get_trace(*args, **kwargs)
+    for name, site in model_trace.items():
+        if site["type"] != "sample" or not site["is_observed"]:
+            continue
+        value_shape, dist_shape = tuple(jnp.shape(site["value"])), tuple(site["fn"].shape())
+        try:
+            joint = tuple(np.broadcast_shapes(value_shape, dist_shape))
+        except ValueError:
+            joint = None
+        if joint in (dist_shape, value_shape):  # the data in the distribution's shape, or broadcasting a smaller one
+            continue
+        source = _argument_name(site["value"], args, kwargs)
+        source = f" ({source})" if source else ""
+        raise ValueError(
+            f"observed site {name!r}: the data{source} have shape {value_shape}, but the model's distribution there has "
+            f"shape {dist_shape} (batch {tuple(site['fn'].batch_shape)}, event {tuple(site['fn'].event_shape)}), set by the "
+            "other arguments and plates"
+            + (": the arguments' leading sizes disagree (one row of each argument per observation)."
+               if joint is None else f": they would broadcast to {joint} and count each observation many times. "
+               "Pass the data in the distribution's shape (e.g. y.reshape(-1) for a column vector).")
+        )
+
+
+def check_guide_sites(svi, state, args, kwargs):
+    """Raise where the guide's latent sites are not the model's: a guide of another model (by the sites)."""
+    params = svi.get_params(state)
+    with handlers.block(), handlers.seed(rng_seed=0):
+        guide_trace = handlers.trace(handlers.substitute(svi.guide, data=params)).get_trace(*args, **kwargs)
+        model_trace = handlers.trace(handlers.replay(svi.model, guide_trace)).get_trace(*args, **kwargs)
+    guide_latents = {n for n, s in guide_trace.items()
+                     if s["type"] == "sample" and not s["is_observed"] and not s["infer"].get("is_auxiliary")}
+    model_latents = {n for n, s in model_trace.items() if s["type"] == "sample" and not s["is_observed"]}
+    observed = {n for n, s in model_trace.items() if s["type"] == "sample" and s["is_observed"]}
+    extra = sorted(guide_latents - model_latents - observed)
+    if extra:
+        raise ValueError(
+            f"the guide samples site(s) {extra} that the model does not have (the model's latent sites: "
+            f"{sorted(model_latents)}): is it the guide of another model?"
+        )
+    clash = sorted(guide_latents & observed)
+    if clash:
+        raise ValueError(f"the guide samples site(s) {clash} that the model observes: is it the guide of another model?")
+
+
+# -- the persistent cache -------------------------------------------------------------------------
+def enable_compilation_cache(path=None):
+    """Turn on JAX's persistent compilation cache, so that a second process loads the compiled fit
+    instead of compiling it again. Opt-in: never switched on at import.
+
+    :param path: the directory (created if missing); default ``$NUMPYRO_BLR_CACHE`` or
+        ``~/.cache/numpyro_blr/jax`` (``$XDG_CACHE_HOME`` respected).
+    :returns: the directory, as a ``pathlib.Path``.
+
+    Every program is written, however short its compile (JAX's default keeps only those over 1 s,
+    which misses small models), and read back when a later process compiles the same program text
+    for the same backend, JAX and XLA versions and options. The cache is JAX's own, with its caveats:
+    entries are not evicted (delete the directory to reclaim the space; a few MB per model), the
+    directory must not be shared by machines with different CPUs or accelerator drivers, and
+    programs whose text depends on the process (NumPyro's ``Trace_ELBO`` sums sites in a
+    hash-seed-dependent order: :func:`fit` uses :class:`Trace_ELBO` instead) never hit.
+    Call it before the first compilation of the process to cover every program.
+    """
+    if path is None:
+        path = os.environ.get("NUMPYRO_BLR_CACHE") or (
+            pathlib.Path(os.environ.get("XDG_CACHE_HOME") or pathlib.Path.home() / ".cache") / "numpyro_blr" / "jax")
+    path = pathlib.Path(path).expanduser().resolve()
+    path.mkdir(parents=True, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", str(path))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+    try:  # a process that compiled before the directory was set has initialised the cache without it
+        from jax._src import compilation_cache as _cc
+
+        if getattr(_cc, "_cache_initialized", False) or getattr(_cc, "_cache_checked", False):
+            _cc.reset_cache()
+    except Exception:  # noqa: BLE001 - private API: the settings above still apply to a fresh process
+        pass
+    return path

@@ -1,0 +1,513 @@
+r"""The Bayesian workflow that cheap refits make possible: :func:`kfold`, :func:`reloo`, :func:`sbc`.
+
+A NUTS chain per refit makes K-fold cross-validation, exact leave-one-out refits and
+simulation-based calibration cost minutes to hours; a BLR fit of a small model is milliseconds once
+compiled (:func:`numpyro_blr.fit`). Here every set of fits is one compiled program: the model and
+guide are the user's, the fits differ only in arrays passed to the program (which observations are
+held out, or which simulated data are observed), and ``jax.lax.map`` runs them ``batch_size`` at a
+time, vectorised (``vmap``) within a batch, with the draws and the predictive densities each fit
+needs computed inside the program.
+
+* :func:`kfold`: :math:`\widehat{\mathrm{elpd}} = \sum_i \log \frac1S\sum_s p(y_i\mid\theta^{(s)}_{-k(i)})`,
+  :math:`\theta_{-k} \sim q_{-k}`, the fit without fold :math:`k`; standard error
+  :math:`\sqrt{n\,\mathrm{Var}_i(\widehat{\mathrm{elpd}}_i)}` (Vehtari, Gelman & Gabry 2017), as
+  ArviZ's ``loo_kfold`` (an ``ELPDDataLOOKFold``, so ``az.compare`` takes it).
+* :func:`reloo`: PSIS-LOO of the fitted :math:`q` with the approximate-posterior correction
+  (:func:`numpyro_blr.diagnostics.loo_vi`, Magnusson et al. 2019) where its Pareto :math:`\hat k`
+  is at most ``k_threshold``, and an exact refit without observation :math:`i` where it is above
+  (the job of ArviZ's ``reloo``, which needs a sampling wrapper).
+* :func:`sbc`: simulation-based calibration (Talts et al. 2018): for
+  :math:`\theta^\star \sim p(\theta)`, :math:`y \sim p(y\mid\theta^\star)`, the rank of
+  :math:`\theta^\star` among :math:`L` draws of the fitted :math:`q(\theta\mid y)` is uniform on
+  :math:`\{0,\dots,L\}` when the inference is calibrated; the ECDF of the scaled ranks is tested
+  against the uniform with a simultaneous 95% band (:class:`SBCResult`).
+
+Observations are split along the leading dimension of an observed site's batch shape (its plate):
+``obs`` names the site when the model has more than one. Held-out observations are masked out of
+the training likelihood (``Distribution.mask``), so every fold has the shapes of the full data and
+one program serves them all.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.scipy.special import logsumexp
+from numpyro import handlers
+from numpyro.infer import Predictive
+from numpyro.infer.util import log_likelihood
+from numpyro.primitives import Messenger
+
+from numpyro_blr import compile_once as _fit
+
+__all__ = ["kfold", "reloo", "sbc", "SBCResult", "WorkflowError"]
+
+
+class WorkflowError(ValueError):
+    """Bad input to a workflow function: the message names the argument and what is allowed."""
+
+
+# -- handlers -------------------------------------------------------------------------------------
+class _MaskObservations(Messenger):
+    """Mask the observed site ``site`` elementwise along its first batch dimension: ``mask`` is ``(n,)``."""
+
+    def __init__(self, fn, site, mask):
+        self.site, self.mask = site, mask
+        super().__init__(fn)
+
+    def process_message(self, msg):
+        if msg["type"] == "sample" and msg["name"] == self.site:
+            batch_ndim = len(msg["fn"].batch_shape)
+            msg["fn"] = msg["fn"].mask(self.mask.reshape(self.mask.shape + (1,) * max(batch_ndim - 1, 0)))
+
+
+class _ReplaceObservations(Messenger):
+    """Observe ``values[name]`` at the observed sites named in ``values`` instead of the model's data."""
+
+    def __init__(self, fn, values):
+        self.values = values
+        super().__init__(fn)
+
+    def process_message(self, msg):
+        if msg["type"] == "sample" and msg["name"] in self.values and msg["is_observed"]:
+            msg["value"] = self.values[msg["name"]]
+
+
+class _Unobserve(Messenger):
+    """Sample the sites named in ``names`` from the model instead of observing them (prior predictive)."""
+
+    def __init__(self, fn, names):
+        self.names = frozenset(names)
+        super().__init__(fn)
+
+    def process_message(self, msg):
+        if msg["type"] == "sample" and msg["name"] in self.names:
+            msg["value"] = None
+            msg["is_observed"] = False
+
+
+# wrapped models and guides are made once per user model (and site), so that the compiled fits are
+# found again by fit's cache (keyed by the model and guide objects)
+_WRAPPERS: dict = {}
+
+
+def _wrapper(kind, model, guide, site=None):
+    key = (kind, id(model), id(guide), site)
+    if key in _WRAPPERS:
+        return _WRAPPERS[key][2:]
+    if kind == "mask":
+        def wrapped_model(*args, _nb_train_mask, **kwargs):
+            return _MaskObservations(model, site, _nb_train_mask)(*args, **kwargs)
+
+        def wrapped_guide(*args, _nb_train_mask, **kwargs):
+            return guide(*args, **kwargs)
+    else:
+        def wrapped_model(*args, _nb_observations, **kwargs):
+            return _ReplaceObservations(model, _nb_observations)(*args, **kwargs)
+
+        def wrapped_guide(*args, _nb_observations, **kwargs):
+            return guide(*args, **kwargs)
+    wrapped_model.__name__ = getattr(model, "__name__", "model")
+    _WRAPPERS[key] = (model, guide, wrapped_model, wrapped_guide)
+    return wrapped_model, wrapped_guide
+
+
+# -- the model's structure --------------------------------------------------------------------------
+class _Site(NamedTuple):
+    name: str
+    n: int  # observations along the first batch dimension
+    shape: tuple
+
+
+def _trace_shapes(model, args, kwargs):
+    """``{name: (type, is_observed, value shape, batch shape)}`` of the model's sample sites, traced
+    abstractly (shapes only, no computation)."""
+    out = {}
+
+    def run(args, kwargs):
+        with handlers.block(), handlers.seed(rng_seed=0):
+            tr = handlers.trace(model).get_trace(*args, **kwargs)
+        for name, site in tr.items():
+            if site["type"] == "sample":
+                out[name] = (site["is_observed"], tuple(jnp.shape(site["value"])), tuple(site["fn"].batch_shape),
+                             bool(site["fn"].support.is_discrete))
+        return 0
+
+    jax.eval_shape(run, args, kwargs)
+    return out
+
+
+def _observed_site(model, args, kwargs, obs, where):
+    sites = _trace_shapes(model, args, kwargs)
+    observed = [n for n, s in sites.items() if s[0]]
+    if not observed:
+        raise WorkflowError(f"{where}: the model has no observed site (numpyro.sample(..., obs=data)) with these arguments.")
+    if obs is None:
+        if len(observed) > 1:
+            raise WorkflowError(f"{where}: the model observes several sites {observed}; pass obs=<name> to say which one's "
+                                "observations are held out.")
+        obs = observed[0]
+    elif obs not in observed:
+        raise WorkflowError(f"{where}: obs={obs!r} is not an observed site of the model; its observed sites are {observed}.")
+    _, shape, batch, _ = sites[obs]
+    if not batch:
+        raise WorkflowError(
+            f"{where}: the observed site {obs!r} has no batch dimension to split (shape {shape}, batch ()): declare its "
+            "observations in a plate (with numpyro.plate('data', n): numpyro.sample(...)) rather than as one event.")
+    return _Site(obs, int(batch[0]), shape)
+
+
+def _check_int(value, name, low, high=None):
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise WorkflowError(f"{name} must be an int, got {value!r}.")
+    if value < low or (high is not None and value > high):
+        bound = f"between {low} and {high}" if high is not None else f"at least {low}"
+        raise WorkflowError(f"{name} must be {bound}, got {value}.")
+    return int(value)
+
+
+def _program(model, guide, args, kwargs, batch, *, optim, num_steps, loss, post, batch_size, owner, compile_effort):
+    """The compiled many-fit program for these arguments (from fit's cache)."""
+    from numpyro_blr.optim import BLR
+
+    optim = BLR() if optim is None else _fit._check_optimizer(optim)
+    loss = _fit._ordered_loss(loss)
+    arrays, rebuild, signature = _fit._split(args, kwargs)
+    arrays = [jnp.asarray(x) if isinstance(x, np.ndarray) else x for x in arrays]
+    batch_sig = tuple(sorted((k, jax.tree.structure(v)) for k, v in batch.items()))
+    key = ("many", id(model), id(guide), _fit._optimizer_key(optim), _fit._loss_key(loss), num_steps, signature,
+           batch_sig, post[0], _fit._freeze(post[1:]), batch_size, compile_effort)
+    program = _fit._CACHE.get(key)
+    if program is None:
+        program = _fit._Program(model, guide, optim, loss, num_steps=num_steps, chunk=num_steps, stable_update=False,
+                                rebuild=rebuild, compiler_options=_fit._compiler_options(_effort(compile_effort)),
+                                owner=owner, post=post, batch_size=batch_size)
+        with _fit._CACHE_LOCK:
+            _fit._CACHE[key] = program
+            while len(_fit._CACHE) > _fit._CACHE_SIZE:
+                _fit._CACHE.popitem(last=False)
+    return program, (arrays, {})
+
+
+def _effort(compile_effort):
+    if compile_effort not in _fit.COMPILE_EFFORTS:
+        raise WorkflowError(f"compile_effort must be one of {_fit.COMPILE_EFFORTS}, got {compile_effort!r}.")
+    return "low" if compile_effort == "auto" else compile_effort
+
+
+def _warn_fits(program, states, what, labels):
+    """One warning listing the fits whose end-of-run report found a problem (each fit's report, as nb.fit gives)."""
+    algorithm = getattr(program.svi.optim, "algorithm", None)
+    if algorithm is None:
+        return []
+    bad = []
+    host = jax.device_get(states.optim_state)  # sliced on the host: a slice of a device array compiles per shape
+    for i, label in enumerate(labels):
+        opt_state = jax.tree.map(lambda x: x[i], host)
+        messages = [m for _, m in algorithm.report(opt_state, program.svi.optim)]
+        if messages:
+            bad.append((label, messages[0]))
+    if bad:
+        shown = "; ".join(f"{label}: {m}" for label, m in bad[:3])
+        warnings.warn(f"{len(bad)} of {len(labels)} {what} fits reported a problem (first {min(3, len(bad))}: {shown})",
+                      RuntimeWarning, stacklevel=3)
+    return [label for label, _ in bad]
+
+
+def _pointwise_lpd(params, key, args, kwargs, model, guide, site, num_draws, drop):
+    r""":math:`\log \frac1S \sum_s p(y_i \mid \theta^{(s)})`, :math:`\theta^{(s)} \sim q`, per observation of ``site``
+    (summed over its other dimensions), computed inside the program."""
+    kwargs = {k: v for k, v in kwargs.items() if k != drop}
+    draws = Predictive(guide, params=params, num_samples=num_draws)(key, *args, **kwargs)
+    ll = log_likelihood(handlers.substitute(model, data=params), draws, *args, **kwargs)[site]
+    ll = ll.reshape(ll.shape[:2] + (-1,)).sum(-1) if ll.ndim > 2 else ll
+    return logsumexp(ll, axis=0) - jnp.log(num_draws)
+
+
+# -- K-fold -----------------------------------------------------------------------------------------
+def kfold(model, guide, *args, k=10, obs=None, folds=None, optim=None, num_steps=1000, num_draws=1000, rng_key=None,
+          loss=None, batch_size=None, compile_effort="auto", **kwargs):
+    r"""K-fold cross-validation of ``model`` fitted with ``guide``, all folds in one compiled program.
+
+    :param model, guide, args, kwargs: as for :func:`numpyro_blr.fit` (the full data).
+    :param k: number of folds, ``2 <= k <= n`` (``n = `` the observations of ``obs``).
+    :param obs: the observed site whose observations are split (needed when the model has several).
+    :param folds: optional ``(n,)`` integer fold of each observation, ``0 .. k-1`` (stratified or grouped
+        folds); default: a random permutation of the observations cut into ``k`` near-equal folds.
+    :param optim, num_steps, loss: as for :func:`numpyro_blr.fit` (default ``nb.BLR()``, 1,000 steps).
+    :param num_draws: draws :math:`S` of each fold's :math:`q` for the predictive densities.
+    :param batch_size: fits vectorised at once (default: all ``k + 1``; lower it to bound memory).
+    :param compile_effort: as for :func:`numpyro_blr.fit`.
+    :returns: ArviZ's ``ELPDDataLOOKFold`` (``elpd``, ``se``, ``p`` with ``p_kfold_i``, pointwise
+        ``elpd_i``): ``p`` is the full-data fit's log predictive density minus ``elpd``, as ArviZ's
+        ``loo_kfold`` computes it. ``az.compare`` accepts it.
+
+    Fits whose end-of-run report finds a problem are named in one warning.
+    """
+    from arviz_stats.utils import ELPDDataLOOKFold
+    import xarray as xr
+
+    site = _observed_site(model, args, kwargs, obs, "kfold")
+    n = site.n
+    if isinstance(k, bool) or not isinstance(k, (int, np.integer)):
+        raise WorkflowError(f"k must be an int, got {k!r}.")
+    if not 2 <= k <= n:
+        raise WorkflowError(f"k must be between 2 and the number of observations of {site.name!r} ({n}), got {k}.")
+    num_steps = _check_int(num_steps, "num_steps", 1)
+    num_draws = _check_int(num_draws, "num_draws", 2)
+    _fit._check_guide(model, guide)
+    rng_key = jax.random.PRNGKey(0) if rng_key is None else rng_key
+    split_key, fit_key = jax.random.split(rng_key)
+    if folds is None:
+        order = np.random.default_rng(np.asarray(jax.random.key_data(split_key)).tolist()).permutation(n)
+        folds = np.empty(n, dtype=np.int32)
+        for j, part in enumerate(np.array_split(order, k)):
+            folds[part] = j
+    else:
+        folds = np.asarray(folds)
+        if folds.shape != (n,) or not np.issubdtype(folds.dtype, np.integer) or folds.min() < 0 or folds.max() >= k:
+            raise WorkflowError(f"folds must be an int array of shape ({n},) with values in 0..{k - 1} (k={k}); got shape "
+                                f"{folds.shape}, dtype {folds.dtype}.")
+        if len(np.unique(folds)) != k:
+            raise WorkflowError(f"folds must use every fold 0..{k - 1} at least once; missing {sorted(set(range(k)) - set(folds.tolist()))}.")
+    masks = np.ones((k + 1, n), dtype=bool)  # row j: fold j held out; the last row: the full data (for p)
+    for j in range(k):
+        masks[j, folds == j] = False
+    wmodel, wguide = _wrapper("mask", model, guide, site.name)
+    post = (_pointwise_lpd, model, guide, site.name, num_draws, "_nb_train_mask")
+    program, data = _program(wmodel, wguide, args, kwargs, {"_nb_train_mask": masks}, optim=optim, num_steps=num_steps,
+                             loss=loss, post=post, batch_size=batch_size or k + 1, owner=guide,
+                             compile_effort=compile_effort)
+    keys = jax.random.split(fit_key, k + 1)
+    states, losses, params, lpd = program.many(keys, data, {"_nb_train_mask": jnp.asarray(masks)})
+    lpd = np.asarray(lpd, dtype=np.float64)  # (k + 1, n)
+    elpd_i = lpd[folds, np.arange(n)]  # each observation from the fit that did not see it
+    lpd_full = lpd[k]
+    _warn_fits(program, states, "K-fold", [f"fold {j}" for j in range(k)] + ["full data"])
+    dim = f"{site.name}_dim_0"
+    elpd_da = xr.DataArray(elpd_i, dims=[dim])
+    return ELPDDataLOOKFold(
+        elpd=float(np.sum(elpd_i)),
+        se=float(np.sqrt(n * np.var(elpd_i))),
+        p=float(np.sum(lpd_full - elpd_i)),
+        n_samples=num_draws,
+        n_data_points=n,
+        scale="log",
+        warning=False,
+        good_k=None,
+        elpd_i=elpd_da,
+        n_folds=k,
+        p_kfold_i=xr.DataArray(lpd_full - elpd_i, dims=[dim]),
+    )
+
+
+# -- exact refits where PSIS-LOO fails --------------------------------------------------------------
+def reloo(model, guide, *args, result=None, k_threshold=0.7, obs=None, optim=None, num_steps=1000, num_draws=4000,
+          rng_key=None, loss=None, batch_size=None, compile_effort="auto", **kwargs):
+    r"""PSIS-LOO of a VI fit, with exact refits for the observations where Pareto :math:`\hat k` says PSIS fails.
+
+    :param result: the full-data fit (``nb.fit``'s or ``svi.run``'s result); fitted here when ``None``.
+    :param k_threshold: observations with :math:`\hat k` above it are refitted without themselves
+        (ArviZ's default 0.7).
+    :param num_draws: draws of :math:`q` for PSIS (and of each refit's :math:`q`).
+    :returns: ArviZ's ``ELPDDataLOO``: ``loo_vi``'s (PSIS with the approximate-posterior correction of
+        Magnusson et al. 2019) with ``elpd_i`` replaced by the exact leave-one-out value, ``pareto_k`` set
+        to 0 and ``p_loo_i`` recomputed at the refitted observations, and ``elpd``, ``se``, ``p``
+        recomputed (ArviZ's ``reloo`` convention); the refitted observations' indices in
+        ``.refitted``.
+    """
+    from numpyro_blr import diagnostics as nd
+
+    site = _observed_site(model, args, kwargs, obs, "reloo")
+    n = site.n
+    if isinstance(k_threshold, bool) or not isinstance(k_threshold, (int, float, np.floating)) or math.isnan(k_threshold):
+        raise WorkflowError(f"k_threshold must be a float, got {k_threshold!r}.")
+    num_draws = _check_int(num_draws, "num_draws", 2)
+    _fit._check_guide(model, guide)
+    rng_key = jax.random.PRNGKey(0) if rng_key is None else rng_key
+    fit_key, draw_key, refit_key = jax.random.split(rng_key, 3)
+    if result is None:
+        result = _fit.fit(model, guide, *args, optim=optim, num_steps=num_steps, rng_key=fit_key, loss=loss,
+                          progress_bar=False, compile_effort=compile_effort, **kwargs)
+    params = getattr(result, "params", result)
+    tree = nd.to_datatree(guide, params, model, *args, num_samples=num_draws, rng_key=draw_key,
+                          posterior_predictive=False, **kwargs)
+    loo = nd.loo_vi(tree, var_name=site.name)
+    khat = np.asarray(loo.pareto_k).reshape(-1)
+    if khat.size != n:
+        raise WorkflowError(f"reloo: the observed site {site.name!r} has {khat.size} pointwise values, not {n} observations "
+                            "along its first dimension: reloo refits whole observations of a one-dimensional plate.")
+    bad = np.flatnonzero(khat > k_threshold)
+    loo.refitted = bad
+    if bad.size == 0:
+        return loo
+    masks = np.ones((bad.size, n), dtype=bool)
+    masks[np.arange(bad.size), bad] = False
+    wmodel, wguide = _wrapper("mask", model, guide, site.name)
+    post = (_pointwise_lpd, model, guide, site.name, num_draws, "_nb_train_mask")
+    program, data = _program(wmodel, wguide, args, kwargs, {"_nb_train_mask": masks}, optim=optim, num_steps=num_steps,
+                             loss=loss, post=post, batch_size=batch_size or int(bad.size), owner=guide,
+                             compile_effort=compile_effort)
+    states, _, _, lpd = program.many(jax.random.split(refit_key, bad.size), data, {"_nb_train_mask": jnp.asarray(masks)})
+    _warn_fits(program, states, "leave-one-out", [f"without observation {i}" for i in bad])
+    exact = np.asarray(lpd, dtype=np.float64)[np.arange(bad.size), bad]
+    ll = np.asarray(tree["log_likelihood"][site.name]).reshape(num_draws, -1)  # chain 1 x draws
+    lpd_full = logsumexp(jnp.asarray(ll), axis=0) - np.log(num_draws)
+    elpd_i = np.asarray(loo.elpd_i).reshape(-1).copy()
+    p_i = (np.asarray(loo.p_loo_i).reshape(-1).copy() if getattr(loo, "p_loo_i", None) is not None
+           else np.asarray(lpd_full) - elpd_i)
+    elpd_i[bad] = exact
+    p_i[bad] = np.asarray(lpd_full)[bad] - exact
+    k_new = khat.copy()
+    k_new[bad] = 0.0
+    loo.elpd_i.values[...] = elpd_i.reshape(loo.elpd_i.shape)
+    loo.pareto_k.values[...] = k_new.reshape(loo.pareto_k.shape)
+    if getattr(loo, "p_loo_i", None) is not None:
+        loo.p_loo_i.values[...] = p_i.reshape(loo.p_loo_i.shape)
+    loo.elpd = float(np.sum(elpd_i))
+    loo.se = float(np.sqrt(n * np.var(elpd_i, ddof=1)))
+    loo.p = float(np.sum(p_i))
+    loo.warning = bool(np.any(k_new > loo.good_k)) if loo.good_k is not None else False
+    return loo
+
+
+# -- simulation-based calibration -----------------------------------------------------------------
+class SBCResult(NamedTuple):
+    r"""Simulation-based calibration (Talts et al. 2018).
+
+    ``ranks``: ``{site: (num_datasets, *site_shape)}`` ranks of the true value among ``num_draws``
+    draws of each fit's :math:`q` (``0 .. num_draws``); ``truth``: the simulated true values;
+    ``num_draws``; ``band``: half-width of the simultaneous 95% band of the ECDF of the scaled ranks
+    under uniformity (the 95% quantile of :math:`\sup_u |F_n(u) - u|` for uniform ranks, simulated);
+    ``flagged``: the datasets whose fit reported a problem.
+    """
+
+    ranks: dict
+    truth: dict
+    num_draws: int
+    band: float
+    flagged: list
+
+    def ecdf_difference(self, site):
+        """``(u, F(u) - u)``: the ECDF of the scaled ranks minus the uniform, per element of ``site`` (columns)."""
+        r = np.asarray(self.ranks[site]).reshape(self.ranks[site].shape[0], -1)
+        u = np.linspace(0.0, 1.0, 101)
+        scaled = (r + 0.5) / (self.num_draws + 1)
+        ecdf = (scaled[None, :, :] <= u[:, None, None]).mean(axis=1)
+        return u, ecdf - u[:, None]
+
+    def max_deviation(self):
+        """``{site: max over elements and u of |F(u) - u|}``; calibrated within the band when below ``band``."""
+        return {s: float(np.max(np.abs(self.ecdf_difference(s)[1]))) for s in self.ranks}
+
+    def calibrated(self):
+        """``{site: bool}``: every element's ECDF difference stays inside the simultaneous band."""
+        return {s: d <= self.band for s, d in self.max_deviation().items()}
+
+    def summary(self):
+        lines = [f"SBC: {len(next(iter(self.ranks.values())))} datasets, {self.num_draws} draws per fit, "
+                 f"simultaneous 95% band +-{self.band:.3f}"]
+        for s, d in self.max_deviation().items():
+            lines.append(f"  {s:24s} max |ECDF - u| = {d:.3f}  {'calibrated' if d <= self.band else 'OUTSIDE the band'}")
+        if self.flagged:
+            lines.append(f"  {len(self.flagged)} fit(s) reported a problem: datasets {self.flagged[:10]}")
+        return "\n".join(lines)
+
+    def plot(self, path=None, sites=None):
+        """Rank histograms and ECDF differences with the band, one column per site; saved to ``path`` if given."""
+        import matplotlib
+
+        if path is not None:
+            matplotlib.use("Agg", force=False)
+        import matplotlib.pyplot as plt
+
+        sites = list(sites or self.ranks)
+        fig, axes = plt.subplots(2, len(sites), figsize=(3.2 * len(sites), 5.5), squeeze=False)
+        bins = min(20, self.num_draws + 1)
+        for j, s in enumerate(sites):
+            r = np.asarray(self.ranks[s]).reshape(len(self.ranks[s]), -1)
+            axes[0, j].hist(r.ravel(), bins=bins, range=(0, self.num_draws + 1), color="0.6", edgecolor="white")
+            expected = r.size / bins
+            axes[0, j].axhline(expected, color="k", lw=1)
+            axes[0, j].set_title(s)
+            axes[0, j].set_xlabel("rank")
+            u, diff = self.ecdf_difference(s)
+            axes[1, j].plot(u, diff, color="C0", lw=0.8, alpha=0.7)
+            axes[1, j].fill_between(u, -self.band, self.band, color="C1", alpha=0.2, label="95% band")
+            axes[1, j].set_xlabel("scaled rank")
+        axes[1, 0].set_ylabel("ECDF - uniform")
+        axes[0, 0].set_ylabel("count")
+        fig.tight_layout()
+        if path is not None:
+            fig.savefig(path, dpi=110)
+            plt.close(fig)
+        return fig
+
+
+def _ranks(params, key, args, kwargs, guide, latent, num_draws, drop):
+    """``num_draws`` draws of the fitted ``q`` at the ``latent`` sites, inside the program (ranked in :func:`sbc`)."""
+    kwargs = {k: v for k, v in kwargs.items() if k != drop}
+    draws = Predictive(guide, params=params, num_samples=num_draws, return_sites=list(latent))(key, *args, **kwargs)
+    return draws
+
+
+def _ecdf_band(num_datasets, num_draws, level=0.95, sims=2000, seed=0):
+    """The ``level`` quantile of :math:`\\sup_u |F_n(u) - u|` for ``num_datasets`` uniform ranks on ``0..num_draws``."""
+    rng = np.random.default_rng(seed)
+    u = np.linspace(0.0, 1.0, 101)
+    r = rng.integers(0, num_draws + 1, size=(sims, num_datasets))
+    scaled = (r + 0.5) / (num_draws + 1)
+    ecdf = (scaled[:, :, None] <= u[None, None, :]).mean(axis=1)
+    return float(np.quantile(np.max(np.abs(ecdf - u), axis=1), level))
+
+
+def sbc(model, guide, *args, num_datasets=100, num_draws=99, obs=None, optim=None, num_steps=1000, rng_key=None,
+        loss=None, batch_size=None, compile_effort="auto", **kwargs):
+    r"""Simulation-based calibration of ``guide`` fitted with ``optim`` on ``model``, all fits in one program.
+
+    :param args, kwargs: the model's arguments, observed data included (their shapes are those of the
+        simulated data; their values are not used for the fits).
+    :param num_datasets: datasets simulated from the prior predictive.
+    :param num_draws: draws :math:`L` of each fit's :math:`q` (ranks ``0 .. L``).
+    :param obs: the observed site(s) to simulate (a name or a list; default: every observed site).
+    :param optim, num_steps, loss: as for :func:`numpyro_blr.fit`.
+    :param batch_size: fits vectorised at once (default: all).
+    :returns: :class:`SBCResult` (``.summary()``, ``.calibrated()``, ``.plot(path)``).
+    """
+    sites = _trace_shapes(model, args, kwargs)
+    observed = [n for n, s in sites.items() if s[0]]
+    latent = [n for n, s in sites.items() if not s[0]]
+    if not observed:
+        raise WorkflowError("sbc: the model has no observed site (numpyro.sample(..., obs=data)) with these arguments.")
+    names = observed if obs is None else ([obs] if isinstance(obs, str) else list(obs))
+    unknown = [s for s in names if s not in observed]
+    if unknown:
+        raise WorkflowError(f"sbc: obs names {unknown}, which are not observed sites of the model; its observed sites are {observed}.")
+    discrete = [s for s in latent if sites[s][3]]
+    if discrete:
+        raise WorkflowError(f"sbc: latent site(s) {discrete} are discrete; ranks of discrete parameters need randomised ties "
+                            "and a guide that samples them: not supported.")
+    num_datasets = _check_int(num_datasets, "num_datasets", 2)
+    num_draws = _check_int(num_draws, "num_draws", 1)
+    num_steps = _check_int(num_steps, "num_steps", 1)
+    _fit._check_guide(model, guide)
+    rng_key = jax.random.PRNGKey(0) if rng_key is None else rng_key
+    sim_key, fit_key = jax.random.split(rng_key)
+    sims = Predictive(_Unobserve(model, names), num_samples=num_datasets, return_sites=latent + names)(sim_key, *args, **kwargs)
+    truth = {s: sims[s] for s in latent}
+    simulated = {s: sims[s] for s in names}
+    wmodel, wguide = _wrapper("replace", model, guide)
+    post = (_ranks, guide, tuple(latent), num_draws, "_nb_observations")
+    program, data = _program(wmodel, wguide, args, kwargs, {"_nb_observations": simulated}, optim=optim,
+                             num_steps=num_steps, loss=loss, post=post, batch_size=batch_size or num_datasets, owner=guide,
+                             compile_effort=compile_effort)
+    states, _, _, draws = program.many(jax.random.split(fit_key, num_datasets), data, {"_nb_observations": simulated})
+    ranks = {s: np.asarray(jnp.sum(draws[s] < truth[s][:, None], axis=1)) for s in latent}
+    flagged = _warn_fits(program, states, "SBC", list(range(num_datasets)))
+    return SBCResult(ranks=ranks, truth={s: np.asarray(v) for s, v in truth.items()}, num_draws=num_draws,
+                     band=_ecdf_band(num_datasets, num_draws), flagged=flagged)

@@ -1,0 +1,273 @@
+"""nb.fit: one compiled program per (model, guide, optimizer, loss, shapes), the same result as SVI.run,
+refits without compiling, programs that do not depend on the process, and errors that name the argument."""
+
+import hashlib
+import os
+import subprocess
+import sys
+import textwrap
+import warnings
+
+import jax
+import jax.monitoring
+import jax.numpy as jnp
+import numpy as np
+import numpyro
+import numpyro.distributions as dist
+import optax
+import pytest
+from numpyro.infer import SVI, Trace_ELBO
+from numpyro.infer.autoguide import AutoDelta, AutoMultivariateNormal, AutoNormal
+
+import numpyro_blr as nb
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def regression(x, y=None):
+    a = numpyro.sample("a", dist.Normal(0.0, 5.0))
+    b = numpyro.sample("b", dist.Normal(0.0, 5.0))
+    s = numpyro.sample("s", dist.HalfNormal(2.0))
+    with numpyro.plate("n", x.shape[0]):
+        numpyro.sample("y", dist.Normal(a + b * x, s), obs=y)
+
+
+def data(n=30, seed=0, slope=2.0):
+    rng = np.random.default_rng(seed)
+    x = np.linspace(-1.0, 1.0, n).astype(np.float32)
+    return x, (0.5 + slope * x + 0.3 * rng.standard_normal(n)).astype(np.float32)
+
+
+class CompileCounter:
+    """Counts XLA backend compilations (jax.monitoring) while active."""
+
+    def __init__(self):
+        self.count = 0
+        self.active = False
+        jax.monitoring.register_event_duration_secs_listener(self._listen)
+
+    def _listen(self, name, duration, **kwargs):
+        if self.active and name == "/jax/core/compile/backend_compile_duration":
+            self.count += 1
+
+    def __enter__(self):
+        self.count, self.active = 0, True
+        return self
+
+    def __exit__(self, *exc):
+        self.active = False
+
+
+@pytest.fixture(scope="module")
+def compiles():
+    return CompileCounter()
+
+
+@pytest.mark.parametrize("guide_cls", [AutoNormal, AutoMultivariateNormal])
+def test_fit_equals_svi_run(guide_cls):
+    """In float64, to rounding (in float32 the programs' different fusion shows in the early losses' last digits
+    and is amplified by the iteration: 1e-4 relative)."""
+    with jax.enable_x64(True):
+        x, y = (v.astype(np.float64) for v in data())
+        key = jax.random.PRNGKey(3)
+        res = nb.fit(regression, guide_cls(regression), x, y=y, num_steps=40, rng_key=key, progress_bar=False)
+        ref = SVI(regression, guide_cls(regression), nb.BLR(), nb.Trace_ELBO()).run(key, 40, x, y=y, progress_bar=False)
+        for k in ref.params:
+            np.testing.assert_allclose(res.params[k], ref.params[k], rtol=1e-9, atol=1e-12)
+        np.testing.assert_allclose(res.losses, ref.losses, rtol=1e-9)
+
+
+def test_numpyro_trace_elbo_sums_the_same_terms():
+    """nb.Trace_ELBO is NumPyro's Trace_ELBO up to the order of the sum."""
+    x, y = data()
+    guide = AutoNormal(regression)
+    svi = SVI(regression, guide, numpyro.optim.Adam(0.01), Trace_ELBO())
+    state = svi.init(jax.random.PRNGKey(0), x, y=y)
+    params = svi.get_params(state)
+    for particles in (1, 3):
+        ours = nb.Trace_ELBO(num_particles=particles).loss(jax.random.PRNGKey(1), params, regression, guide, x, y=y)
+        theirs = Trace_ELBO(num_particles=particles).loss(jax.random.PRNGKey(1), params, regression, guide, x, y=y)
+        np.testing.assert_allclose(ours, theirs, rtol=1e-6)
+
+
+@pytest.mark.parametrize("optim", [lambda: numpyro.optim.Adam(0.05), lambda: optax.adam(0.05)], ids=["numpyro", "optax"])
+def test_any_numpyro_optimizer(optim):
+    x, y = data()
+    key = jax.random.PRNGKey(0)
+    o = optim()
+    res = nb.fit(regression, AutoNormal(regression), x, y=y, optim=o, num_steps=30, rng_key=key, progress_bar=False)
+    ref = SVI(regression, AutoNormal(regression), o, nb.Trace_ELBO()).run(key, 30, x, y=y, progress_bar=False)
+    for k in ref.params:
+        np.testing.assert_allclose(res.params[k], ref.params[k], rtol=1e-5, atol=1e-6)
+
+
+def test_refit_with_new_data_does_not_compile(compiles):
+    x, y = data(seed=0)
+    guide = AutoNormal(regression)
+    nb.fit(regression, guide, x, y=y, num_steps=30, progress_bar=False)
+    x2, y2 = data(seed=1, slope=-1.0)
+    with compiles:
+        res = nb.fit(regression, guide, x2, y=y2, num_steps=30, progress_bar=False)
+    assert compiles.count == 0
+    # the refit is the fit of the new data (the guide's initialisation does not depend on the data's values)
+    ref = SVI(regression, AutoNormal(regression), nb.BLR(), nb.Trace_ELBO()).run(jax.random.PRNGKey(0), 30, x2, y=y2,
+                                                                               progress_bar=False)
+    for k in ref.params:
+        np.testing.assert_allclose(res.params[k], ref.params[k], rtol=1e-5, atol=1e-6)
+    # a new nb.BLR() with the same options is the same program
+    with compiles:
+        nb.fit(regression, guide, x2, y=y2, optim=nb.BLR(), num_steps=30, progress_bar=False)
+    assert compiles.count == 0
+
+
+def test_new_shapes_recompile_silently():
+    guide = AutoNormal(regression)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        a = nb.fit(regression, guide, *data(n=20)[:1], y=data(n=20)[1], num_steps=20, progress_bar=False)
+        b = nb.fit(regression, guide, *data(n=33)[:1], y=data(n=33)[1], num_steps=20, progress_bar=False)
+    assert a.losses.shape == b.losses.shape == (20,)
+
+
+def test_progress_bar_and_resume_give_the_same_fit():
+    x, y = data()
+    guide = AutoMultivariateNormal(regression)
+    whole = nb.fit(regression, guide, x, y=y, num_steps=40, progress_bar=False)
+    shown = nb.fit(regression, guide, x, y=y, num_steps=40, progress_bar=True)
+    half = nb.fit(regression, guide, x, y=y, num_steps=20, progress_bar=False)
+    resumed = nb.fit(regression, guide, x, y=y, num_steps=20, progress_bar=False, init_state=half.state)
+    for k in whole.params:
+        np.testing.assert_allclose(shown.params[k], whole.params[k], rtol=1e-6, atol=1e-7)
+        np.testing.assert_allclose(resumed.params[k], whole.params[k], rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(jnp.concatenate([half.losses, resumed.losses]), whole.losses, rtol=1e-6)
+
+
+@pytest.mark.parametrize("guide_cls", [AutoNormal, AutoMultivariateNormal, AutoDelta])
+def test_guide_is_usable_after_a_fit(guide_cls):
+    """The guide's setup was traced into the program; what it left in the guide is concrete again."""
+    x, y = data()
+    guide = guide_cls(regression)
+    res = nb.fit(regression, guide, x, y=y, num_steps=30, progress_bar=False)
+    leaves = jax.tree.leaves([site.get("value") for site in guide.prototype_trace.values()])
+    assert not any(isinstance(v, jax.core.Tracer) for v in leaves)
+    median = guide.median(res.params)
+    assert np.isfinite(float(median["b"])) and float(median["s"]) > 0
+    draws = guide.sample_posterior(jax.random.PRNGKey(1), res.params, sample_shape=(5,))
+    assert draws["b"].shape == (5,)
+    report = nb.fit_report(res, guide=guide) if guide_cls is not AutoDelta else None
+    assert report is None or report.steps == 30
+
+
+def test_hand_written_guide():
+    def guide(x, y=None):
+        for name in ("a", "b"):
+            loc = numpyro.param(f"{name}_loc", 0.0)
+            scale = numpyro.param(f"{name}_scale", 0.5, constraint=dist.constraints.positive)
+            numpyro.sample(name, dist.Normal(loc, scale))
+        s_loc = numpyro.param("s_loc", 0.0)
+        numpyro.sample("s", dist.LogNormal(s_loc, numpyro.param("s_scale", 0.3, constraint=dist.constraints.positive)))
+
+    x, y = data()
+    opt = nb.BLR(guide=guide, guide_args=(x,), guide_kwargs={"y": y})
+    res = nb.fit(regression, guide, x, y=y, optim=opt, num_steps=60, progress_bar=False)
+    assert np.isfinite(res.losses[-1]) and abs(float(res.params["b_loc"]) - 2.0) < 0.3
+
+
+def test_program_text_does_not_depend_on_the_hash_seed():
+    script = textwrap.dedent(
+        f"""
+        import sys, hashlib
+        sys.path.insert(0, {os.path.join(REPO, 'tests', 'workflow')!r})
+        import jax, jax.numpy as jnp
+        from numpyro.infer.autoguide import AutoNormal
+        import numpyro_blr as nb
+        from numpyro_blr.compile_once import _Program, _split
+        from test_fit import regression, data
+        x, y = data()
+        arrays, rebuild, _ = _split((x,), {{"y": y}})
+        p = _Program(regression, AutoNormal(regression), nb.BLR(), nb.Trace_ELBO(), num_steps=3, chunk=3,
+                     stable_update=False, rebuild=rebuild, compiler_options=None)
+        text = jax.jit(p._run_fn).lower(jax.random.PRNGKey(0), ([jnp.asarray(a) for a in arrays], {{}})).as_text()
+        print(hashlib.sha256(text.encode()).hexdigest())
+        """
+    )
+    digests = set()
+    for seed in ("1", "2", "3"):
+        env = dict(os.environ, PYTHONHASHSEED=seed, JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"))
+        out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True)
+        digests.add(out.stdout.strip().splitlines()[-1])
+    assert len(digests) == 1
+
+
+def test_compilation_cache_is_opt_in_and_hits_in_a_second_process(tmp_path):
+    script = textwrap.dedent(
+        f"""
+        import sys
+        sys.path.insert(0, {os.path.join(REPO, 'tests', 'workflow')!r})
+        import jax, jax.monitoring
+        counts = {{"hits": 0, "compiles": 0}}
+        def listen(name, *a, **k):  # a program compiled (not read back) is a cache miss
+            if name == "/jax/compilation_cache/cache_hits":
+                counts["hits"] += 1
+            if name == "/jax/compilation_cache/cache_misses":
+                counts["compiles"] += 1
+        jax.monitoring.register_event_listener(listen)
+        import numpyro_blr as nb
+        assert jax.config.jax_compilation_cache_dir is None, "the cache was switched on at import"
+        nb.enable_compilation_cache(sys.argv[1])
+        from numpyro.infer.autoguide import AutoNormal
+        from test_fit import regression, data
+        x, y = data()
+        nb.fit(regression, AutoNormal(regression), x, y=y, num_steps=10, progress_bar=False)
+        print(counts["hits"], counts["compiles"])
+        """
+    )
+    env = dict(os.environ, JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"))
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)
+    runs = []
+    for seed in ("1", "2"):
+        env["PYTHONHASHSEED"] = seed
+        out = subprocess.run([sys.executable, "-c", script, str(tmp_path / "cache")], env=env, capture_output=True,
+                             text=True, check=True)
+        runs.append(tuple(int(v) for v in out.stdout.split()[-2:]))
+    (hits1, compiles1), (hits2, compiles2) = runs
+    assert compiles1 > 0 and hits2 > 0
+    assert compiles2 == 0, f"second process compiled {compiles2} program(s) (first: {compiles1})"
+    assert any((tmp_path / "cache").iterdir())
+
+
+def model_two_inputs(X, y=None):
+    w = numpyro.sample("w", dist.Normal(0.0, 1.0).expand([X.shape[1]]).to_event(1))
+    with numpyro.plate("n", X.shape[0]):
+        numpyro.sample("y", dist.Normal(X @ w, 1.0), obs=y)
+
+
+def test_bad_input_names_the_argument():
+    x, y = data()
+    guide = AutoNormal(regression)
+    with pytest.raises(TypeError, match="optim must be"):
+        nb.fit(regression, guide, x, y=y, optim="adam")
+    with pytest.raises(ValueError, match="num_steps"):
+        nb.fit(regression, guide, x, y=y, num_steps=0)
+    with pytest.raises(ValueError, match="another model|model 'model_two_inputs'|of the model"):
+        nb.fit(regression, AutoNormal(model_two_inputs), x, y=y, num_steps=5)
+    with pytest.raises(TypeError, match="loss must be"):
+        nb.fit(regression, guide, x, y=y, loss="elbo")
+    with pytest.raises(ValueError, match="compile_effort"):
+        nb.fit(regression, guide, x, y=y, compile_effort="max")
+    # a column vector against a plate of n: it would broadcast to (n, n)
+    with pytest.raises(ValueError, match=r"observed site 'y'.*argument 'y'.*\(30, 1\)"):
+        nb.fit(regression, AutoNormal(regression), x, y=y[:, None], num_steps=5, progress_bar=False)
+    # leading sizes that disagree
+    X = np.ones((30, 2), np.float32)
+    with pytest.raises(ValueError, match=r"observed site 'y'.*leading sizes disagree"):
+        nb.fit(model_two_inputs, AutoNormal(model_two_inputs), X, y=y[:25], num_steps=5, progress_bar=False)
+
+
+def test_hand_written_guide_of_another_model_is_refused():
+    def other_guide(x, y=None):
+        numpyro.sample("w", dist.Normal(numpyro.param("w_loc", 0.0), 1.0))
+
+    x, y = data()
+    with pytest.raises(ValueError, match=r"\['w'\].*another model"):
+        nb.fit(regression, other_guide, x, y=y, optim=numpyro.optim.Adam(0.01), num_steps=5, progress_bar=False)
