@@ -232,7 +232,7 @@ def _summaries(graph, natural):
                 out[n] = (ref,)
         return out
 
-    return jax.tree.map(np.asarray, jax.jit(fn)(natural))
+    return jax.tree.map(np.asarray, graph.jit(fn, key=("summaries",), data=False)(natural))
 
 
 def _np_to_value(site, block):
@@ -398,7 +398,11 @@ def check(graph, natural, rtol, sites=None, seed=0):
 
     values = {name: (plan[0], plan[1]) for name, plan in plans.items()}
     locals_ = {name: [t[0] for t in trials] for name, trials in shrunk.items()}
-    errors = jax.tree.map(np.asarray, graph.jit(evaluate, **FAST_COMPILE)(values, refs, natural, locals_))
+    # the program depends on the jobs (design matrices included) and the global points picked, not on the values
+    key = ("check", tuple((name, tuple((kind, d, tuple(idx), design) for kind, d, idx, design in jobs))
+                          for name, (_, _, jobs) in plans.items()),
+           tuple((name, tuple(picks for _, picks in trials)) for name, trials in shrunk.items()))
+    errors = jax.tree.map(np.asarray, graph.jit(evaluate, key=key, **FAST_COMPILE)(values, refs, natural, locals_))
     for name, (_, _, jobs) in plans.items():
         for (kind, d, _, _), worst in zip(jobs, errors[name]):
             worst = float(worst)
@@ -473,7 +477,7 @@ def find_projection(graph, f, gauss, natural, rtol, seed=0):
     draws = [{s: jnp.asarray(_test_value(graph.sites[s], summary[s], rng)) for s in gauss} for _ in range(2)]
     mid = {s: 0.5 * (draws[0][s] + draws[1][s]) for s in gauss}
 
-    def leaves_at(values):
+    def leaves_at(refs, values):
         leaves, _, msg = _leaves(graph, f, {**refs, **values})
         return leaves
 
@@ -481,7 +485,8 @@ def find_projection(graph, f, gauss, natural, rtol, seed=0):
         base = unwrap(graph.site_msg(f.name, refs)["fn"])
         if base.event_shape != ():
             return None
-        l0, l1, lm = (jax.jit(leaves_at)(v) for v in (draws[0], draws[1], mid))
+        jitted = graph.jit(leaves_at, key=("projection", f.name))
+        l0, l1, lm = (jitted(refs, v) for v in (draws[0], draws[1], mid))
     except Exception:  # noqa: BLE001 - a factor that cannot be read this way takes the cubature rule
         return None
     changed = [i for i, (a, b) in enumerate(zip(l0, l1))

@@ -19,6 +19,9 @@ that a model written for minibatches is fitted to the whole data set). :meth:`Gr
 log density per element of its batch shape, its ``scale`` and mask applied.
 """
 
+import dataclasses
+import types
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Dict, Tuple
 
@@ -32,7 +35,7 @@ from numpyro.distributions.transforms import biject_to
 from numpyro_blr.families import Categorical, FullGaussian
 from numpyro_blr.families.registry import exponential_form, for_prior, prior_names
 
-__all__ = ["Factor", "Graph", "ModelError", "NonConjugateError", "Site"]
+__all__ = ["Factor", "Graph", "ModelError", "NonConjugateError", "Site", "Unfreezable", "freeze", "intern", "shared_jit"]
 
 
 #: XLA options for programs run once or on little data (construction checks, small sweeps): backend optimisation
@@ -409,10 +412,16 @@ class Graph:
         """Replace the model's arguments (same structure and shapes: a new minibatch)."""
         self.args, self.kwargs = tuple(args), dict(kwargs or {})
 
-    def jit(self, fn, **jit_kwargs):
+    def jit(self, fn, key=None, data=True, **jit_kwargs):
         """``jax.jit(fn)`` with the model's array arguments and the subsampled plates' indices passed as inputs, not
         folded in as constants (XLA constant-folds computations on large constants: slow compiles, and the same
-        program recompiled for every data set or minibatch)."""
+        program recompiled for every data set or minibatch).
+
+        With ``key`` (hashable, :func:`freeze`-able: everything ``fn`` reads besides its inputs and this graph, e.g.
+        an engine's options), the compiled program is shared by every graph of equal :meth:`static_key` called with a
+        key equal to it (:func:`shared_jit`): a second object on the same model, options and shapes does not compile
+        again. ``data=False``: ``fn`` does not run the model (posterior parameters from natural parameters), and the
+        data are not passed. ``key=None``: a program of this wrapper alone, as before issue 24."""
 
         def inner(data, plate_values, *a, **k):
             leaves, treedef, dynamic = self._data_leaves()
@@ -427,13 +436,91 @@ class Graph:
             finally:
                 self.args, self.kwargs, self.plate_values = saved
 
-        jitted = jax.jit(inner, **jit_kwargs)
+        name = _name(key, fn)
+        if key is not None:
+            try:
+                key = intern(("graph.jit", key if isinstance(key, _Key) else freeze(key), bool(data)))
+            except Unfreezable:
+                key = None
+        if key is None:
+            if not data:
+                return jax.jit(fn, **jit_kwargs)
+            jitted = jax.jit(inner, **jit_kwargs)
+
+            def call(*a, **k):
+                return jitted(self.data(), dict(self.plate_values), *a, **k)
+
+            call.jitted = jitted
+            return call
+
+        shared = _shared_jitted(jit_kwargs, name)
+        local = []  # this wrapper's own program, for arguments that cannot be frozen
+
+        def keys():
+            graph_key = self.static_key()
+            if not data:
+                return (key, graph_key)
+            args_key = self._args_key()
+            return None if graph_key is None or args_key is None else (key, graph_key, args_key)
+
+        def fallback():
+            if not local:
+                local.append(jax.jit(inner if data else fn, **jit_kwargs))
+            return local[0]
+
+        if not data:
+            def call(*a, **k):
+                parts = keys()
+                if parts[1] is None:
+                    return fallback()(*a, **k)
+                return _call_shared(shared, parts, fn, a, k)
+
+            return call
 
         def call(*a, **k):
-            return jitted(self.data(), dict(self.plate_values), *a, **k)
+            parts, inputs = keys(), (self.data(), dict(self.plate_values))
+            if parts is None:
+                return fallback()(*inputs, *a, **k)
+            return _call_shared(shared, parts, inner, inputs + a, k)
 
-        call.jitted = jitted
+        call.jitted = _Bound(shared, keys, inner, fallback)
         return call
+
+    # --- the static structure, for sharing compiled programs ------------------------------------------
+    #: attributes that are inputs of the compiled programs (or memos), not part of :meth:`static_key`
+    _NOT_STATIC = frozenset({"args", "kwargs", "plate_values", "_static_memo", "_args_memo"})
+
+    def static_key(self):
+        """Everything a traced function reads from this graph besides the model's array arguments and the plates'
+        indices (:func:`freeze`: the model function, sites, factors and their paths, the options), interned; None
+        if some of it cannot be frozen. Recomputed when a factor's path changes (:func:`~.expectations.check`)."""
+        finger = tuple((f.path, f.local, f.local_axes, f.deps) for f in self.factors.values())
+        memo = getattr(self, "_static_memo", None)
+        if memo is not None and memo[0] == finger:
+            return memo[1]
+        try:
+            key = intern(("graph", type(self), tuple((k, freeze(v)) for k, v in sorted(vars(self).items())
+                                                      if k not in self._NOT_STATIC)))
+        except Unfreezable:
+            key = None
+        self._static_memo = (finger, key)
+        return key
+
+    def _args_key(self):
+        """The model arguments' structure, which leaves are inputs, and the other leaves' values (folded into the
+        program), interned; None if some cannot be frozen. Memoised on the identity of ``args``/``kwargs``."""
+        memo = getattr(self, "_args_memo", None)
+        if memo is not None and memo[0] is self.args and memo[1] is self.kwargs:
+            return memo[2]
+        leaves, treedef, dynamic = self._data_leaves()
+        dyn = set(dynamic)
+        try:
+            key = intern(("args", treedef, tuple(dynamic),
+                           tuple(freeze(x) for i, x in enumerate(leaves) if i not in dyn)))
+        except Unfreezable:
+            key = None
+        self._args_memo = (self.args, self.kwargs, key)
+        return key
 
     # --- evaluation -----------------------------------------------------------------------------
     def run(self, values, params):
@@ -620,3 +707,257 @@ class Graph:
             out.append(jnp.broadcast_to(arr, target + tuple(f.event_shape) + tuple(shape[base_full:]) if extra >= 0 else arr.shape))
         natural = type(natural)(*out)
         return (natural, family.log_partition(natural))
+
+
+# ----------------------------------------------------------------------------------------------
+# Compiled programs shared across objects (issue 24)
+# ----------------------------------------------------------------------------------------------
+#: arrays up to this many entries are frozen by value (their values are folded into a program); larger ones make a
+#: key unfreezable (such an object gets programs of its own)
+FREEZE_MAX_SIZE = 4096
+
+
+_TRACER = getattr(jax.core, "Tracer", ())
+
+
+class Unfreezable(TypeError):
+    """A value with no hashable description by value (an unhashable object, a large array, a tracer)."""
+
+
+def freeze(x):
+    """A hashable description of ``x``, equal for two values only if a function reading them traces to the same
+    program: primitives with their type, containers (order kept) and dataclasses recursively, arrays up to
+    :data:`FREEZE_MAX_SIZE` entries by dtype, shape and bytes, pytrees (transforms, constraints) by structure and
+    leaves, Python functions by identity and what they read (:func:`_function_key`), classes and other
+    identity-hashed objects by identity (equal only to themselves).
+
+    Raises:
+        Unfreezable: an unhashable object that is none of these, a larger array, a tracer, a cyclic container.
+    """
+    return _freeze(x, _function_key, set())
+
+
+#: containers nested deeper than this are not frozen (Unfreezable)
+_MAX_DEPTH = 64
+
+
+def _freeze(x, function, active):
+    """:func:`freeze` with ``function`` for Python functions; ``active``: the ids of the containers being frozen
+    (a cycle, or nesting deeper than :data:`_MAX_DEPTH`, is Unfreezable)."""
+    if x is None or isinstance(x, (bool, int, str, bytes)):
+        return (type(x), x)
+    if isinstance(x, (float, complex)):
+        return (type(x), repr(x))  # repr: -0.0 differs from 0.0, nan equals nan
+    if isinstance(x, (_Key, _Ref, jax.tree_util.PyTreeDef)):  # already frozen; a pytree's structure
+        return (type(x), x)
+    if isinstance(x, _TRACER):
+        raise Unfreezable("a traced value")
+    if isinstance(x, (np.ndarray, np.generic, jax.Array)):
+        if np.size(x) > FREEZE_MAX_SIZE:
+            raise Unfreezable(f"an array of {np.size(x)} entries")
+        a = np.asarray(x)
+        return ("array", type(x), a.dtype.name, a.dtype.str, a.shape, bool(getattr(x, "weak_type", False)), a.tobytes())
+    if isinstance(x, np.dtype):
+        return ("dtype", x.name, x.str)
+    if isinstance(x, types.FunctionType):
+        return function(x)
+    if isinstance(x, (type, types.BuiltinFunctionType, types.MethodType, types.ModuleType)):
+        return ("id", x)  # equal only to itself (a bound method: to the same function of the same object)
+    if id(x) in active or len(active) >= _MAX_DEPTH:
+        raise Unfreezable("a cyclic or too deeply nested value")
+    active.add(id(x))
+    try:
+        def sub(v):
+            return _freeze(v, function, active)
+
+        if isinstance(x, tuple):
+            return (type(x), tuple(sub(e) for e in x))
+        if isinstance(x, list):
+            return (list, tuple(sub(e) for e in x))
+        if isinstance(x, dict):
+            return (type(x), tuple((sub(k), sub(v)) for k, v in x.items()))
+        if isinstance(x, (set, frozenset)):
+            return (type(x), frozenset(sub(e) for e in x))
+        if dataclasses.is_dataclass(x):
+            return (type(x), tuple((f.name, sub(getattr(x, f.name))) for f in dataclasses.fields(x)))
+        leaves, treedef = jax.tree_util.tree_flatten(x)
+        if not (len(leaves) == 1 and leaves[0] is x):  # a registered pytree: a transform, a constraint
+            return ("tree", treedef, tuple(sub(leaf) for leaf in leaves))
+    finally:
+        active.discard(id(x))
+    if type(x).__hash__ is not None and type(x).__eq__ is object.__eq__:
+        return ("id", x)
+    raise Unfreezable(f"{type(x).__name__}")
+
+
+class _Ref:
+    """Identity of an object that cannot be frozen by value (a large array a function reads), holding it."""
+
+    __slots__ = ("obj",)
+
+    def __init__(self, obj):
+        self.obj = obj
+
+    def __hash__(self):
+        return id(self.obj)
+
+    def __eq__(self, other):
+        return type(other) is _Ref and self.obj is other.obj
+
+
+def _identity(fn):
+    return ("id", fn)
+
+
+def _loose(v):
+    """What a function reads from a closure cell, a default or a global: frozen with the functions in it by identity
+    (not what they read in turn), or by identity when it cannot be frozen."""
+    try:
+        return _freeze(v, _identity, set())
+    except Unfreezable:
+        return ("ref", _Ref(v))
+
+
+def _function_key(fn):
+    """A Python function: itself (its identity), and the values it reads from its defaults, closure cells and the
+    module globals its code names (not modules): rebinding a global data set (or a closed-over one) between two
+    objects on the same model gives another key, as the constants folded into the program differ. An object it
+    reads in place (a numpy array changed in place, an attribute of a global) is not followed, as in ``jax.jit``."""
+    names, stack = set(), [fn.__code__]
+    while stack:
+        code = stack.pop()
+        names.update(code.co_names)
+        stack.extend(c for c in code.co_consts if isinstance(c, types.CodeType))
+    env = fn.__globals__
+    read = tuple((n, _loose(env[n])) for n in sorted(names) if n in env and not isinstance(env[n], types.ModuleType))
+    cells = []
+    for cell in fn.__closure__ or ():
+        try:
+            cells.append(_loose(cell.cell_contents))
+        except ValueError:  # an empty cell
+            cells.append(("empty",))
+    return ("function", fn, _loose(fn.__defaults__), _loose(fn.__kwdefaults__), tuple(cells), read)
+
+
+class _Key:
+    """A frozen key with its hash computed once; interned (:func:`intern`) so that equal keys are one object."""
+
+    __slots__ = ("value", "hash", "__weakref__")
+
+    def __init__(self, value):
+        self.value, self.hash = value, hash(value)
+
+    def __hash__(self):
+        return self.hash
+
+    def __eq__(self, other):
+        return self is other or (type(other) is _Key and self.hash == other.hash and self.value == other.value)
+
+
+#: frozen value -> its :class:`_Key`, while a wrapper or a cached program holds it
+_KEYS = weakref.WeakValueDictionary()
+
+
+def intern(value):
+    """The one :class:`_Key` of a frozen value (:func:`freeze`), its hash computed once."""
+    key = _KEYS.get(value)
+    if key is None:
+        key = _KEYS[value] = _Key(value)
+    return key
+
+
+class _Program:
+    """The static argument of a shared jitted function: the keys that say which program, and the function to trace
+    (this call's; dropped after the call, so that a cached program holds no object's data or engine)."""
+
+    __slots__ = ("keys", "hash", "fn")
+
+    def __init__(self, keys, fn):
+        self.keys, self.hash, self.fn = keys, hash(keys), fn
+
+    def __hash__(self):
+        return self.hash
+
+    def __eq__(self, other):
+        return (type(other) is _Program and self.hash == other.hash and len(self.keys) == len(other.keys)
+                and all(a is b or a == b for a, b in zip(self.keys, other.keys)))
+
+
+_SHARED = {}
+
+
+def _shared_jitted(jit_kwargs, name="shared"):
+    """The module's one jitted trampoline (calling its static :class:`_Program`'s function) per name (what profiles
+    and XLA dumps call it, ``jit_<name>``) and set of jit options (XLA compiler options)."""
+    if {"static_argnums", "static_argnames", "donate_argnums", "donate_argnames"} & set(jit_kwargs):
+        raise ValueError("shared_jit: static or donated arguments are not supported")
+    k = (name, freeze(jit_kwargs))
+    jitted = _SHARED.get(k)
+    if jitted is None:
+        def trampoline(program, *a, **kw):
+            return program.fn(*a, **kw)
+
+        trampoline.__name__ = trampoline.__qualname__ = name
+        jitted = _SHARED[k] = jax.jit(trampoline, static_argnums=0, **jit_kwargs)
+    return jitted
+
+
+def _name(key, fn):
+    """A program's name: ``fn``'s, or for a lambda the key's label (its first string, before freezing)."""
+    name = getattr(fn, "__name__", "")
+    if name.isidentifier():
+        return name
+    for _ in range(4):
+        if isinstance(key, _Key):
+            key = key.value
+        elif isinstance(key, tuple) and key:
+            if isinstance(key[0], str):
+                return key[0] if key[0].isidentifier() else "shared"
+            key = key[0]
+        else:
+            break
+    return "shared"
+
+
+def _call_shared(jitted, keys, fn, a, k, method=None):
+    program = _Program(keys, fn)
+    try:
+        return (jitted if method is None else getattr(jitted, method))(program, *a, **k)
+    finally:
+        program.fn = None
+
+
+class _Bound:
+    """A :meth:`Graph.jit` wrapper's program as a function of ``(data, plate_values, *args)``, with ``lower``
+    (:func:`numpyro_blr.parallel.collective_counts`)."""
+
+    def __init__(self, jitted, keys, fn, fallback):
+        self._jitted, self._keys, self._fn, self._fallback = jitted, keys, fn, fallback
+
+    def __call__(self, *a, **k):
+        parts = self._keys()
+        return self._fallback()(*a, **k) if parts is None else _call_shared(self._jitted, parts, self._fn, a, k)
+
+    def lower(self, *a, **k):
+        parts = self._keys()
+        if parts is None:
+            return self._fallback().lower(*a, **k)
+        return _call_shared(self._jitted, parts, self._fn, a, k, method="lower")
+
+
+def shared_jit(fn, key, **jit_kwargs):
+    """``jax.jit(fn)`` whose compiled programs are shared by every ``shared_jit`` wrapper of an equal ``key``
+    (:func:`freeze`): ``fn`` must read nothing but its inputs and what ``key`` describes (no array of one object
+    folded in as a constant, or another object would get its values). A key that cannot be frozen gives a plain
+    ``jax.jit(fn)``."""
+    name = _name(key, fn)
+    try:
+        key = intern(("shared_jit", freeze(key)))
+    except Unfreezable:
+        return jax.jit(fn, **jit_kwargs)
+    jitted = _shared_jitted(jit_kwargs, name)
+
+    def call(*a, **k):
+        return _call_shared(jitted, (key,), fn, a, k)
+
+    return call

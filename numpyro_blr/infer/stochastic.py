@@ -130,16 +130,17 @@ class _Stochastic(_Engine):
             full = self._full
             eng = full.engine
 
-            def fn(glob):
-                natural = dict(eng._prior_natural)
+            def fn(prior, glob):  # the prior an input: another object's would otherwise be folded in
+                natural = dict(prior)
                 natural.update(glob)
                 eng.exact_sweeps(self.local_order, self.local_steps, natural, eng.means(natural))
                 return eng.elbo_terms(natural)[0], natural
 
-            self._full_fn = eng.graph.jit(fn)
+            mine, theirs = self.static_key("full_elbo"), eng.static_key("full_elbo")
+            self._full_fn = eng.graph.jit(fn, key=None if mine is None or theirs is None else (mine, theirs))
         if args:
             self._full.graph.set_data(args, kwargs or self._kwargs)
-        elbo, natural = self._full_fn(state.natural)
+        elbo, natural = self._full_fn(self._full.engine._prior_natural, state.natural)
         return float(elbo), natural
 
     def run_stochastic(self, state, key=None, num_steps=None, num_epochs=None, batches=None, progress_bar=True):
@@ -191,10 +192,11 @@ class _Stochastic(_Engine):
         self._args, self._kwargs = self.graph.args, self.graph.kwargs
         self._full = None
         self.model = self.graph.model
-        self.jitted = self.graph.jit(self.stochastic_step)
+        self.jitted = self.graph.jit(self.stochastic_step, key=self.static_key("stochastic_step"))
         self.jitted_step = self.step
         return MessagePassing(
-            init=self.init, step=self.step, sample=self.sample, update=jax.jit(self.apply),
+            init=self.init, step=self.step, sample=self.sample,
+            update=self.graph.jit(self.apply, key=self.static_key("apply"), data=False),
             run=self.run_stochastic, posterior=self.posterior, elbo=self.full_elbo, graph=self.graph, parts=parts,
             engine=self)
 

@@ -52,7 +52,7 @@ from numpyro_blr.infer.expectations import (
     reference_values,
     site_rules,
 )
-from numpyro_blr.infer.graph import FAST_COMPILE, Graph, ModelError, NonConjugateError
+from numpyro_blr.infer.graph import FAST_COMPILE, Graph, ModelError, NonConjugateError, Unfreezable, freeze, intern
 from numpyro_blr.rules.blr import gaussian_update
 
 __all__ = ["FitResult", "MessagePassing", "SweepInfo", "VMPState", "em", "ncvmp", "vmp"]
@@ -169,8 +169,9 @@ class _Engine:
                 raise ValueError(f"{name}: order must name every site once; unknown {unknown}, missing {missing} "
                                  f"(sites: {names}).")
         self.order = order
-        self._prior_jit = graph.jit(self._prior)
-        self._valid_jit = jax.jit(lambda nat: {n: s.is_valid(nat[n]) for n, s in graph.sites.items()})
+        self._prior_jit = graph.jit(self._prior, key=self.static_key("prior"))
+        self._valid_jit = graph.jit(lambda nat: {n: s.is_valid(nat[n]) for n, s in graph.sites.items()},
+                                    key=("valid",), data=False)
         prior, finite = self._prior_jit()
         bad = [n for n, ok in finite.items() if not bool(ok)]
         if bad:
@@ -222,6 +223,24 @@ class _Engine:
                     spec = find_projection(graph, f, sites, prior, self.rtol)
                     if spec is not None:
                         self.projected[f.name] = (sites, spec)
+
+    # --- compiled programs shared across objects (issue 24) ----------------------------------------------
+    #: attributes that are not options or structure: the graph (its own key), arrays of this object's data,
+    #: compiled wrappers, memos
+    _NOT_STATIC = frozenset({"graph", "_prior_natural", "_prior_jit", "_valid_jit", "_posterior_jit", "_params_jit",
+                             "jitted_step", "elbo_jit", "jitted", "_args", "_kwargs", "_full", "_full_fn"})
+
+    def static_key(self, what):
+        """The key of this engine's compiled function ``what`` (:meth:`Graph.jit`): its class and every attribute
+        but :attr:`_NOT_STATIC` (options such as ``lr``, ``estimator``, ``num_samples``, the update order, each
+        site's kind, the projections found), frozen (:func:`~.graph.freeze`); None if some cannot be frozen (then
+        the object compiles its own programs). A traced method reads nothing else of the engine but the graph:
+        an attribute added later is part of the key unless listed in :attr:`_NOT_STATIC`."""
+        try:
+            return intern((what, type(self), tuple((k, freeze(v)) for k, v in sorted(vars(self).items())
+                                                   if k not in self._NOT_STATIC)))
+        except Unfreezable:
+            return None
 
     # --- init -------------------------------------------------------------------------------------
     def _prior(self, init=None):
@@ -474,13 +493,15 @@ class _Engine:
         eagerly, each of their few dozen small operations on plate-sized arrays would be compiled on its own)."""
         if getattr(self, "_posterior_jit", None) is None:
             sites = self.graph.sites
-            self._posterior_jit = jax.jit(lambda natural: {n: s.distribution(natural[n]) for n, s in sites.items()})
+            self._posterior_jit = self.graph.jit(lambda natural: {n: s.distribution(natural[n]) for n, s in sites.items()},
+                                                 key=("posterior",), data=False)
         return self._posterior_jit(state.natural)
 
     def params(self, state):
         if getattr(self, "_params_jit", None) is None:
             points = {n: s for n, s in self.graph.sites.items() if s.kind == "point"}
-            self._params_jit = jax.jit(lambda natural: {n: s.constrained(natural[n]) for n, s in points.items()})
+            self._params_jit = self.graph.jit(lambda natural: {n: s.constrained(natural[n]) for n, s in points.items()},
+                                              key=("params",), data=False)
         return self._params_jit(state.natural)
 
     def sample(self, key, state, num_samples):
@@ -549,13 +570,14 @@ class _Engine:
     def algorithm(self, parts):
         small = sum(int(np.size(x)) for x in self.graph.data()) < FAST_COMPILE_BELOW
         options = FAST_COMPILE if small and not os.environ.get("NUMPYRO_BLR_XLA_OPT") else {}
-        self.jitted_step = self.graph.jit(lambda key, state, *batch: self.sweep(key, state), **options)
-        self.elbo_jit = self.graph.jit(self.elbo_terms)
+        self.jitted_step = self.graph.jit(lambda key, state, *batch: self.sweep(key, state),
+                                          key=self.static_key("sweep"), **options)
+        self.elbo_jit = self.graph.jit(self.elbo_terms, key=self.static_key("elbo"))
         return MessagePassing(
             init=self.init,
             step=self.jitted_step,
             sample=self.sample,
-            update=jax.jit(self.apply),
+            update=self.graph.jit(self.apply, key=self.static_key("apply"), data=False),
             run=self.run,
             posterior=self.posterior,
             elbo=self.elbo_jit,
