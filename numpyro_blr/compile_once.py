@@ -34,6 +34,7 @@ in the last bit between processes for the same key. An upstream fix is one line:
 from __future__ import annotations
 
 import collections
+import contextlib
 import copy
 import functools
 import math
@@ -313,6 +314,46 @@ def _guide_has_setup(guide):
     return hasattr(guide, "prototype_trace")
 
 
+class _ModelSiteOrder:
+    """Mixed into an autoguide's class while its setup is traced: keeps ``_init_locs`` in the model's site
+    order. NumPyro's ``find_valid_initial_params`` returns its dict in that order when run eagerly, and in
+    sorted order when traced (its ``while_loop`` output is a pytree); ``AutoContinuous`` ravels that dict
+    into its latent vector, so a traced setup would lay ``auto_loc`` out differently from ``svi.run``'s and
+    from another instance of the guide set up eagerly (``Predictive(model, guide=AutoDiagonalNormal(model),
+    params=...)`` would then read the parameters in the wrong order, silently)."""
+
+    @property
+    def _init_locs(self):
+        return self.__dict__["_init_locs"]
+
+    @_init_locs.setter
+    def _init_locs(self, value):
+        trace = self.__dict__.get("prototype_trace")
+        if isinstance(value, dict) and trace is not None:
+            value = {**{k: value[k] for k in trace if k in value}, **value}
+        self.__dict__["_init_locs"] = value
+
+
+_ORDERED_CLASSES = {}
+
+
+@contextlib.contextmanager
+def _model_site_order(guide):
+    """While the guide's setup is traced: ``_init_locs`` in the model's order (:class:`_ModelSiteOrder`)."""
+    cls = type(guide)
+    if getattr(guide, "prototype_trace", False) is not None:
+        yield
+        return
+    if cls not in _ORDERED_CLASSES:
+        namespace = {"__module__": cls.__module__, "_init_locs": _ModelSiteOrder._init_locs}
+        _ORDERED_CLASSES[cls] = type(cls.__name__, (cls,), namespace)  # the layout of cls: __class__ can be assigned
+    guide.__class__ = _ORDERED_CLASSES[cls]
+    try:
+        yield
+    finally:
+        guide.__class__ = cls
+
+
 # -- the programs ---------------------------------------------------------------------------------
 COMPILE_EFFORTS = ("auto", "low", "high")
 
@@ -368,7 +409,8 @@ class _Program:
         args, kwargs = self._arguments(data)
         if checks:
             check_observations(self.svi.model, args, kwargs)
-        state = self.svi.init(rng_key, *args, **kwargs)
+        with _model_site_order(self.owner):
+            state = self.svi.init(rng_key, *args, **kwargs)
         if checks:
             check_guide_sites(self.svi, state, args, kwargs)
         return state
@@ -424,6 +466,20 @@ class _Program:
     def needs_setup(self):
         return getattr(self.owner, "prototype_trace", False) is None
 
+    def setup_eagerly(self, rng_key, data):
+        """Set up a guide whose setup reads concrete values eagerly, with the key ``svi.init`` gives it:
+        ``nb.ExpFamilyGuide`` picks each site's initial parameters from the prior's mean where it is finite,
+        ``nb.LieGroupGuide`` checks its base distributions' moments."""
+        from numpyro_blr.guides import ExpFamilyGuide
+        from numpyro_blr.liegroup_guide import LieGroupGuide
+
+        owner = self.owner
+        if (isinstance(owner, ExpFamilyGuide) and owner.sites is None) or (
+                isinstance(owner, LieGroupGuide) and owner.prototype_trace is None):
+            args, kwargs = self._arguments(data)
+            guide_key = jax.random.split(rng_key, 3)[2]  # as SVI.init splits its key
+            handlers.seed(self.svi.guide, guide_key)(*args, **kwargs)
+
     def _resetup(self, rng_key, data):
         """Set the guide up eagerly, as ``SVI.run`` does (the fallback when traced values are left)."""
         if _guide_has_setup(self.owner):
@@ -441,6 +497,7 @@ class _Program:
     def many(self, rng_keys, data, batch):
         """``(states, losses, params, post)`` of ``len(rng_keys)`` fits, each with its slice of ``batch``."""
         first = (data[0], {**data[1], **jax.tree.map(lambda v: v[0], batch)})
+        self.setup_eagerly(jax.random.split(rng_keys[0])[0], first)
         with self.lock:
             *result, leaked = self._many(rng_keys, data, batch)
             self.setup.restore(self.svi, (rng_keys, data, batch), leaked, lambda: self._resetup(rng_keys[0], first))
@@ -448,6 +505,8 @@ class _Program:
 
     def run(self, rng_key, data, init_state, progress_bar):
         """``(state, losses, params)`` of a fit from ``rng_key`` (or continued from ``init_state``)."""
+        if init_state is None:
+            self.setup_eagerly(rng_key, data)
         if init_state is None and not progress_bar:
             return tuple(self._call(self._run, rng_key, data))
         if init_state is None:

@@ -383,7 +383,7 @@ def liegroup_guide_algorithm(lr, scale_lr=None, momentum=0.0, scale_momentum=0.0
         for b in layout.blocks:
             for n in names(b):
                 bad = ~jnp.isfinite(params[n])
-                if bool(jnp.any(bad)):
+                if not isinstance(bad, jax.core.Tracer) and bool(jnp.any(bad)):  # traced (nb.fit): steps report it
                     what = "scale" if n == b.scale_param else "loc"
                     reason = ("an initial scale that is not strictly positive (the group keeps scales positive only if "
                               "they start positive)" if what == "scale" else "a non-finite initial loc")
