@@ -368,6 +368,21 @@ def _compiler_options(effort):
     return None
 
 
+def _unvalidated(guide):
+    """``guide`` with NumPyro's distribution checks off while it runs. They only act on concrete values, which
+    in a traced program are the guide's own initial constants: checking ``AutoMultivariateNormal``'s initial
+    ``scale_tril`` compiled about 20 one-operation programs and took half the tracing time (0.5 of 1.1 s on
+    breast cancer), with nothing to find. The model's distributions are still checked."""
+    from numpyro.distributions.distribution import validation_enabled
+
+    def unvalidated_guide(*args, **kwargs):
+        with validation_enabled(False):
+            return guide(*args, **kwargs)
+
+    unvalidated_guide.guide = guide
+    return unvalidated_guide
+
+
 class _Program:
     """The compiled pieces of one cache entry (one model, guide, optimizer, loss, step count).
 
@@ -377,7 +392,7 @@ class _Program:
 
     def __init__(self, model, guide, optim, loss, *, num_steps, chunk, stable_update, rebuild, compiler_options,
                  owner=None, post=None, batch_size=None):
-        self.svi = SVI(model, guide, optim, loss)
+        self.svi = SVI(model, _unvalidated(guide), optim, loss)
         self.owner = guide if owner is None else owner  # the object a guide's setup is stored in
         self.num_steps, self.chunk = num_steps, chunk
         self.stable_update = stable_update
