@@ -682,7 +682,10 @@ def check_observations(model, args, kwargs):
     """Raise, naming the site and the argument, where an observed site's data would broadcast against its
     distribution into another shape (``y`` of shape ``(N, 1)`` against a plate of ``N``), or cannot
     broadcast (arguments whose leading sizes disagree). Runs on a trace of the model: shapes only."""
-    with handlers.block(), handlers.seed(rng_seed=0):
+    from numpyro.infer.initialization import init_to_uniform
+
+    # latent values as NumPyro's initialisation draws them (improper priors included): only shapes are read
+    with handlers.block(), handlers.substitute(substitute_fn=init_to_uniform), handlers.seed(rng_seed=0):
         model_trace = handlers.trace(model).get_trace(*args, **kwargs)
     for name, site in model_trace.items():
         if site["type"] != "sample" or not site["is_observed"]:
