@@ -72,7 +72,11 @@ class BLRState(NamedTuple):
     ``average``          with :class:`adaptive_decay`'s averaging: per Gaussian block, the
                          exponential averages of the iterates' mean (under the loc's name) and of
                          their scale :math:`s` or Cholesky factor :math:`L` (under the scale's
-                         name, constrained), which ``get_params`` returns; else empty.
+                         name, constrained), which ``get_params`` returns; else empty. The weight
+                         is ``rho_0 / (1 + c/tau)`` on the clock ``c``, so that an iterate taken at
+                         clock ``c`` counts like ``(c + 6)(c + 7)(c + 8)(c + 9)`` (default
+                         schedule): :class:`adaptive_decay` says what this keeps of the approach
+                         and of the Monte Carlo noise, and why it is not a plain mean.
     """
 
     momentum: dict

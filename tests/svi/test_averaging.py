@@ -2,10 +2,11 @@
 
 The Gaussian blocks step with rho = rho_0 / sqrt(1 + c/tau) on Kesten's clock c, and the guide that
 ``get_params`` returns is the exponential average of the iterates' means and scales (or Cholesky
-factors) with weight gamma = rho_0 / (1 + c/tau) (Polyak-Ruppert averaging). Checked here: the schedule's numbers, the
-recursion on the optimizer state, that explicit step sizes keep no average, that a skipped step
-leaves the average alone, and (slow) that on the centred eight-schools funnel the default reaches
-in 1,000 steps the Gaussian ELBO the previous default had not reached after 4,000.
+factors) with weight gamma = rho_0 / (1 + c/tau) (Polyak-Ruppert averaging). Checked here: the
+schedule's numbers and the weights they give the iterates, the recursion on the optimizer state,
+that explicit step sizes keep no average, that a skipped step leaves the average alone, and (slow)
+that on the centred eight-schools funnel the default reaches in 1,000 steps the Gaussian ELBO the
+previous default had not reached after 4,000.
 """
 
 import jax
@@ -46,6 +47,31 @@ def test_adaptive_decay_numbers():
     assert repr(plain) == "adaptive_decay(0.5, 10.0, averaging=False)"
     with pytest.raises(ValueError, match="averaging"):
         nb.adaptive_decay(0.5, 10, averaging="yes")
+
+
+def test_what_the_average_weighs():
+    """With one clock unit per step, gamma = 0.5 / (1 + c/10) = 5 / (10 + c) gives the iterate taken at
+    clock c the weight (c + 6)(c + 7)(c + 8)(c + 9) / sum (polynomial-decay averaging of degree 4): the
+    iterates from before clock c0 keep a share of about ((c0 + 7.5) / (c + 7.5))^5 (2.6e-4 at clock 80
+    for those before clock 10: the approach is forgotten, and what is left after 100 steps is Monte
+    Carlo noise, bench/bench_steps.py --floor), and on independent noise the average's variance is
+    25/9 = 2.8 times the plain mean's (the price of that memory; docs/blr.md Section 5)."""
+    s = nb.adaptive_decay(0.5, 10)
+    n = 400
+    weights = np.zeros(n + 2)
+    weights[0] = 1.0  # the initial average: the initial guide
+    for c in range(n + 1):  # the step at clock c: average <- average + gamma(c) (x_c - average)
+        gamma = s(float(c))
+        weights *= 1 - gamma
+        weights[c + 1] += gamma
+    assert weights[0] < 1e-8  # the initialisation is forgotten
+    clock = np.arange(n + 1)
+    quartic = (clock + 6) * (clock + 7) * (clock + 8) * (clock + 9)
+    np.testing.assert_allclose(weights[1:], quartic / np.sum(quartic), rtol=1e-6)
+    share = np.cumsum(quartic[:81])
+    assert share[9] / share[80] == pytest.approx((17.5 / 87.5) ** 5, rel=0.25)  # 2.6e-4 exactly
+    assert share[9] / share[80] < 4e-4
+    assert np.sum(weights**2) * (n + 2) == pytest.approx(25 / 9, rel=0.02)
 
 
 @pytest.mark.parametrize("guide_cls, loc, scale, constraint", [
