@@ -358,11 +358,31 @@ def _model_site_order(guide):
 COMPILE_EFFORTS = ("auto", "low", "high")
 
 
+#: above this many (data elements x fits x steps) the steps outweigh what "low" saves in compiling
+AUTO_HIGH_WORK = 5e7
+
+
+def resolve_effort(effort, arrays, fits=1, steps=1000):
+    """``"low"`` or ``"high"`` for ``compile_effort``. ``"auto"`` is ``"low"`` on CPU while the run is short
+    against the compile time it saves, and ``"high"`` when the persistent cache is on (the program is compiled
+    once and run in every later process) or when (data elements x fits x steps) > :data:`AUTO_HIGH_WORK`.
+
+    Measured on this 2-core machine (``bench/bench_workflow.py``): breast cancer (18k data elements),
+    ``AutoMultivariateNormal``, one fit of 1,000 steps: "low" compiles in 1.2 s instead of 1.9 s and runs in
+    0.29 s instead of 0.10 s (1.8e7: low); its 10-fold CV (11 fits): 6.4 s cold with "low", 5.1 s with
+    "high" (2e8: high); SBC of eight schools (16 elements, 100 fits): 4.7 s with "low", 5.2 s with "high"
+    (1.6e6: low)."""
+    if effort != "auto":
+        return effort
+    if jax.default_backend() != "cpu" or jax.config.jax_compilation_cache_dir:
+        return "high"
+    size = sum(int(np.size(a)) for a in jax.tree.leaves(arrays))
+    return "high" if size * fits * steps > AUTO_HIGH_WORK else "low"
+
+
 def _compiler_options(effort):
-    """XLA options for ``compile_effort``: ``"low"`` turns LLVM's optimisation off on the CPU backend
-    (``xla_backend_optimization_level=0``): on breast cancer (AutoMultivariateNormal) the BLR program
-    compiles in 1.1 s instead of 1.9 s and its 1,000 steps run in 0.32 s instead of 0.12 s
-    (``bench/bench_workflow.py`` measures it). ``"auto"`` is ``"low"`` on CPU for a single fit."""
+    """XLA options for a resolved ``compile_effort``: ``"low"`` turns LLVM's optimisation off on the CPU
+    backend (``xla_backend_optimization_level=0``; :func:`resolve_effort` says when it pays)."""
     if effort == "low" and jax.default_backend() == "cpu":
         return {"xla_backend_optimization_level": 0}
     return None
@@ -614,8 +634,8 @@ def fit(model, guide, *args, optim=None, num_steps=1000, rng_key=None, loss=None
     :param stable_update: as ``svi.run``'s.
     :param init_state: continue from ``svi_result.state`` of an earlier fit (as ``svi.run``'s).
     :param compile_effort: ``"low"`` (XLA's CPU backend without LLVM optimisation: shorter compile,
-        slower steps), ``"high"`` (JAX's default) or ``"auto"`` (``"low"`` on CPU, where a first fit
-        of a small model is mostly compilation; see ``docs/workflow.md`` for the figures).
+        slower steps), ``"high"`` (JAX's default) or ``"auto"`` (:func:`resolve_effort`: ``"low"`` on CPU
+        where a first fit of a small model is mostly compilation; see ``docs/workflow.md``).
     :returns: NumPyro's ``SVIRunResult(params, state, losses)``, with the same end-of-run warnings
         as ``svi.run`` (``nb.fit_report(result, guide=guide)`` shows the evidence).
 
@@ -645,7 +665,7 @@ def fit(model, guide, *args, optim=None, num_steps=1000, rng_key=None, loss=None
     data, rebuild, signature = _split(args, kwargs)
     data = [jnp.asarray(x) if isinstance(x, np.ndarray) else x for x in data]
     chunk = _chunk_length(num_steps, progress_bar)
-    effort = "low" if compile_effort == "auto" else compile_effort
+    effort = resolve_effort(compile_effort, data, 1, num_steps)
     key = (id(model), id(guide), _optimizer_key(optim), _loss_key(loss), num_steps, chunk, bool(stable_update),
            signature, effort)
     with _CACHE_LOCK:

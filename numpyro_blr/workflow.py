@@ -179,13 +179,15 @@ def _program(model, guide, args, kwargs, batch, *, optim, num_steps, loss, post,
     loss = _fit._ordered_loss(loss)
     arrays, rebuild, signature = _fit._split(args, kwargs)
     arrays = [jnp.asarray(x) if isinstance(x, np.ndarray) else x for x in arrays]
+    fits = len(jax.tree.leaves(batch)[0])
+    compile_effort = _effort(compile_effort, arrays, fits, num_steps)
     batch_sig = tuple(sorted((k, jax.tree.structure(v)) for k, v in batch.items()))
     key = ("many", id(model), id(guide), _fit._optimizer_key(optim), _fit._loss_key(loss), num_steps, signature,
            batch_sig, post[0], _fit._freeze(post[1:]), batch_size, compile_effort)
     program = _fit._CACHE.get(key)
     if program is None:
         program = _fit._Program(model, guide, optim, loss, num_steps=num_steps, chunk=num_steps, stable_update=False,
-                                rebuild=rebuild, compiler_options=_fit._compiler_options(_effort(compile_effort)),
+                                rebuild=rebuild, compiler_options=_fit._compiler_options(compile_effort),
                                 owner=owner, post=post, batch_size=batch_size)
         with _fit._CACHE_LOCK:
             _fit._CACHE[key] = program
@@ -194,10 +196,10 @@ def _program(model, guide, args, kwargs, batch, *, optim, num_steps, loss, post,
     return program, (arrays, {})
 
 
-def _effort(compile_effort):
+def _effort(compile_effort, arrays, fits, steps):
     if compile_effort not in _fit.COMPILE_EFFORTS:
         raise WorkflowError(f"compile_effort must be one of {_fit.COMPILE_EFFORTS}, got {compile_effort!r}.")
-    return "low" if compile_effort == "auto" else compile_effort
+    return _fit.resolve_effort(compile_effort, arrays, fits, steps)
 
 
 def _warn_fits(program, states, what, labels):
