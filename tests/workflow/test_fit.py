@@ -74,7 +74,8 @@ def unsorted_sites(x, y=None):
         numpyro.sample("y", dist.Normal(a + b * x, s * (0.5 + p)), obs=y)
 
 
-@pytest.mark.parametrize("guide_cls", [AutoNormal, AutoDiagonalNormal, AutoMultivariateNormal])
+@pytest.mark.parametrize("guide_cls", [AutoNormal, pytest.param(AutoDiagonalNormal, marks=pytest.mark.slow),
+                                       pytest.param(AutoMultivariateNormal, marks=pytest.mark.slow)])
 def test_fit_equals_svi_run(guide_cls):
     """In float64, to rounding (in float32 the programs' different fusion shows in the early losses' last digits
     and is amplified by the iteration: 1e-4 relative)."""
@@ -89,6 +90,7 @@ def test_fit_equals_svi_run(guide_cls):
         np.testing.assert_allclose(res.losses, ref.losses, rtol=1e-9)
 
 
+@pytest.mark.slow
 def test_numpyro_trace_elbo_sums_the_same_terms():
     """nb.Trace_ELBO is NumPyro's Trace_ELBO up to the order of the sum."""
     x, y = data()
@@ -141,6 +143,7 @@ def test_new_shapes_recompile_silently():
     assert a.losses.shape == b.losses.shape == (20,)
 
 
+@pytest.mark.slow
 def test_progress_bar_and_resume_give_the_same_fit():
     x, y = data()
     guide = AutoMultivariateNormal(regression)
@@ -185,6 +188,7 @@ def test_hand_written_guide():
     assert np.isfinite(res.losses[-1]) and abs(float(res.params["b_loc"]) - 2.0) < 0.3
 
 
+@pytest.mark.slow
 def test_program_text_does_not_depend_on_the_hash_seed():
     script = textwrap.dedent(
         f"""
@@ -211,6 +215,7 @@ def test_program_text_does_not_depend_on_the_hash_seed():
     assert len(digests) == 1
 
 
+@pytest.mark.slow
 def test_compilation_cache_is_opt_in_and_hits_in_a_second_process(tmp_path):
     script = textwrap.dedent(
         f"""
@@ -285,6 +290,7 @@ def test_hand_written_guide_of_another_model_is_refused():
         nb.fit(regression, other_guide, x, y=y, optim=numpyro.optim.Adam(0.01), num_steps=5, progress_bar=False)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("make", [
     lambda: (nb.ExpFamilyGuide(unsorted_sites), nb.BLR()),
     lambda: (nb.LieGroupGuide(unsorted_sites), nb.LieGroupBLR(lr=0.05)),

@@ -70,6 +70,7 @@ def test_kfold_equals_the_closed_form(observations):
     assert abs(res.p - (lp_full.sum() - exact.sum())) < 2 * tol
 
 
+@pytest.mark.slow
 def test_reloo_refits_equal_exact_leave_one_out(observations):
     y = observations[:10]
     res = wf.reloo(normal_mean, AutoNormal(normal_mean), y, k_threshold=-np.inf, num_steps=300, num_draws=2000)
@@ -87,6 +88,7 @@ def test_reloo_refits_equal_exact_leave_one_out(observations):
     assert np.all(np.asarray(res.pareto_k) == 0.0)
 
 
+@pytest.mark.slow
 def test_sbc_calibrated_and_a_negative_control():
     y = np.zeros(8, np.float32)  # shapes only: SBC simulates its own data
     band = _ecdf_band(60, 49, level=0.999)
