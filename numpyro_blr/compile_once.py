@@ -446,8 +446,8 @@ class _Program:
             check_observations(self.svi.model, args, kwargs)
         with _model_site_order(self.owner):
             state = self.svi.init(rng_key, *args, **kwargs)
-        if checks:
-            check_guide_sites(self.svi, state, args, kwargs)
+        if checks and not hasattr(self.owner, "prototype_trace"):  # an autoguide's sites are its model's (fit
+            check_guide_sites(self.svi, state, args, kwargs)          # checked guide.model): a function guide's may not be
         return state
 
     def _run_fn(self, rng_key, data):
