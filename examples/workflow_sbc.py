@@ -14,7 +14,6 @@ import os
 import time
 import warnings
 
-import jax
 import numpy as np
 import numpyro
 import numpyro.distributions as dist

@@ -20,7 +20,12 @@ trace, initial locations, the closures over the data that ``guide.median`` and
 ``guide.sample_posterior`` call later). :func:`fit` returns those values from the program and puts
 the concrete ones back (:func:`_replace_tracers` walks NumPyro's objects, containers, partials and
 closures); if any traced value is left that it cannot account for, it sets the guide up again
-eagerly, as ``SVI.run`` does, and says nothing: the result is the same.
+eagerly, as ``SVI.run`` does, and says nothing: the result is the same. While the setup is traced,
+``AutoContinuous`` guides keep their initial values in the model's site order
+(:class:`_ModelSiteOrder`), so ``auto_loc`` is laid out as an eager setup lays it out; guides whose
+setup reads concrete values (``nb.ExpFamilyGuide``, ``nb.LieGroupGuide``) are set up eagerly, with
+the key ``svi.init`` gives them; inside the program the guide runs without NumPyro's distribution
+checks (:func:`_unvalidated`), which there only see its own initial constants.
 
 :class:`Trace_ELBO` is NumPyro's with the sites summed in sorted name order. NumPyro sums them in
 the order of a Python ``set`` (``numpyro/infer/elbo.py``: ``set(model_log_probs).union(...)``),
@@ -35,9 +40,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import copy
 import functools
-import math
 import os
 import pathlib
 import threading

@@ -1,7 +1,6 @@
 """nb.fit: one compiled program per (model, guide, optimizer, loss, shapes), the same result as SVI.run,
 refits without compiling, programs that do not depend on the process, and errors that name the argument."""
 
-import hashlib
 import os
 import subprocess
 import sys
