@@ -37,6 +37,21 @@ if _CACHE_DIR:
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    """Free the compiled programs after each test file. Every live XLA CPU executable holds memory
+    mappings; a pytest worker that keeps all of a file after another (JAX's jit caches, nb.fit's cache,
+    the message-passing programs shared across objects) reached 57,000 of Linux's 65,530
+    (``vm.max_map_count``) by the end of ``tests/svi``, and two full runs died of a SIGABRT or a
+    segfault inside XLA (mapping the next program failed). Programs a later file needs again are read
+    back from the persistent cache above."""
+    yield
+    from numpyro_blr import compile_once
+
+    compile_once.cache_clear()
+    jax.clear_caches()
+
+
 def standardise_with_intercept(X):
     X = (X - X.mean(0)) / X.std(0)
     return np.hstack([np.ones((X.shape[0], 1)), X])
