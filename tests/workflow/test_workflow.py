@@ -1,6 +1,8 @@
 """numpyro_blr.workflow: K-fold, exact LOO refits and SBC, against closed forms on a conjugate model, with a
 negative control for SBC and errors that name the argument."""
 
+import os
+import sys
 import warnings
 
 import jax
@@ -15,6 +17,9 @@ from scipy.stats import norm
 import numpyro_blr as nb
 from numpyro_blr import workflow as wf
 from numpyro_blr.workflow import WorkflowError, _ecdf_band
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "bench"))
+import robustness_cases as rc  # noqa: E402  (the suite's eight-schools models and data)
 
 PRIOR_SD = 3.0
 
@@ -154,22 +159,8 @@ def test_reloo_on_centred_eight_schools_agrees_with_nuts():
     posterior (non-centred: NUTS on the centred model diverges), within 2 standard errors."""
     import arviz as az
 
-    sigma = np.array([15.0, 10.0, 16.0, 11.0, 9.0, 11.0, 10.0, 18.0])
-    y = np.array([28.0, 8.0, -3.0, 7.0, -1.0, 1.0, 18.0, 12.0])
-
-    def centred(sigma, y=None):
-        mu = numpyro.sample("mu", dist.Normal(0.0, 5.0))
-        tau = numpyro.sample("tau", dist.HalfCauchy(5.0))
-        with numpyro.plate("J", sigma.shape[0]):
-            theta = numpyro.sample("theta", dist.Normal(mu, tau))
-            numpyro.sample("obs", dist.Normal(theta, sigma), obs=y)
-
-    def noncentred(sigma, y=None):
-        mu = numpyro.sample("mu", dist.Normal(0.0, 5.0))
-        tau = numpyro.sample("tau", dist.HalfCauchy(5.0))
-        with numpyro.plate("J", sigma.shape[0]):
-            z = numpyro.sample("z", dist.Normal(0.0, 1.0))
-            numpyro.sample("obs", dist.Normal(mu + tau * z, sigma), obs=y)
+    sigma, y = rc.EIGHT_SIGMA, rc.EIGHT_Y
+    centred, noncentred = rc.eight_schools_centered, rc.eight_schools_noncentered
 
     mcmc = MCMC(NUTS(noncentred, target_accept_prob=0.95), num_warmup=1000, num_samples=2000, num_chains=2,
                 chain_method="sequential", progress_bar=False)
