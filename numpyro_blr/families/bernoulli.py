@@ -127,13 +127,13 @@ class Bernoulli:
         return BernoulliNatural(natural.logits + grad_mu.probs)
 
     @staticmethod
-    def blr_update(natural, grad_mu, lr, improved=True):
+    def blr_update(natural, grad_mu, lr, improved=True, max_step=None):
         r"""One BLR step :math:`\lambda \leftarrow (1-\rho)\lambda - \rho\nabla_\mu\mathbb E_q[\ell]` on the logits.
 
         ``grad_mu`` is a :class:`BernoulliExpectation` holding :math:`\nabla_\mu\mathbb E_q[\ell]`. The logit
         space is all of :math:`\mathbb R`, so ``improved`` changes nothing (kept for a uniform signature).
         """
-        del improved
+        del improved, max_step  # the natural parameters are unconstrained
         return BernoulliNatural((1.0 - lr) * natural.logits - lr * grad_mu.probs)
 
     @staticmethod

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpyro.distributions as dist
 from jax.scipy.special import digamma, gammaln
 
-from numpyro_blr.families.dirichlet import dirichlet_from_mean_log, simplex_two_point
+from numpyro_blr.families.dirichlet import dirichlet_from_mean_log, simplex_two_point, trusted_step
 
 
 class BetaNatural(NamedTuple):
@@ -132,8 +132,10 @@ class Beta:
         return BetaNatural(natural.eta1 + grad_mu.mu1, natural.eta2 + grad_mu.mu2)
 
     @staticmethod
-    def blr_update(natural, grad_mu, lr, improved=True):
-        r"""One BLR step; ``improved=True`` keeps :math:`a, b > 0` for any gradient (module docstring).
+    def blr_update(natural, grad_mu, lr, improved=True, max_step=None):
+        r"""One BLR step; ``improved=True`` keeps :math:`a, b > 0` for any gradient (module docstring),
+        and with ``max_step`` shrinks :math:`\rho` per element so that neither :math:`|\rho d_a|/a` nor
+        :math:`|\rho d_b|/b` exceeds it (:func:`~numpyro_blr.families.dirichlet.trusted_step`).
 
         ``grad_mu`` holds :math:`\nabla_\mu \mathbb E_q[\ell]` (a :class:`BetaExpectation`).
         ``improved=False`` is the plain BLR, exact at ``lr = 1`` for conjugate terms.
@@ -143,6 +145,7 @@ class Beta:
         g = Beta.natural_gradient(natural, grad_mu)
         a, b = Beta.from_natural(natural)
         d_a, d_b = -g.eta1, -g.eta2
+        lr = trusted_step(lr, (d_a / a, d_b / b), max_step)
         a_new = a + lr * d_a + 0.5 * (lr * d_a) ** 2 / a
         b_new = b + lr * d_b + 0.5 * (lr * d_b) ** 2 / b
         return Beta.to_natural(a_new, b_new)

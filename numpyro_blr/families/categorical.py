@@ -141,9 +141,9 @@ class Categorical:
         return CategoricalNatural(natural.eta + grad_mu.probs)
 
     @staticmethod
-    def blr_update(natural, grad_mu, lr, improved=True):
+    def blr_update(natural, grad_mu, lr, improved=True, max_step=None):
         r"""One BLR step on the (unconstrained) natural parameters; ``improved`` changes nothing."""
-        del improved
+        del improved, max_step  # the natural parameters are unconstrained
         return CategoricalNatural((1.0 - lr) * natural.eta - lr * grad_mu.probs)
 
     @staticmethod

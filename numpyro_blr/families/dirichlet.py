@@ -39,6 +39,32 @@ import numpyro.distributions as dist
 from jax.scipy.special import digamma, gammaln, polygamma
 
 
+def trusted_step(lr, relative_steps, max_step, event_dim=0):
+    r"""The step size :math:`\rho` per distribution, shrunk so that no relative first-order change
+    :math:`|\rho\, d_j / \theta_j|` of a positive parameter :math:`\theta_j` exceeds ``max_step``:
+
+    .. math:: \rho' = \rho \min\Big(1, \frac{r}{\rho \max_j |d_j/\theta_j|}\Big).
+
+    A trust region for the improved BLR's retraction (which keeps :math:`\theta_j > 0` but not its
+    size): with :math:`r = 1` one step moves each parameter within :math:`[\theta/2, 5\theta/2]`.
+    A single-sample estimate of :math:`\nabla_\mu\mathbb E_q[\ell]` is the product of the sampled
+    gradient with :math:`(\partial\mu/\partial\theta)^{-\top}`, whose smallest singular value falls
+    like :math:`1/\alpha_0` as the distribution concentrates; far from the optimum (large gradients at
+    the mean) it can ask for concentrations 1e3-1e6 times too large, which then overflow the float32
+    log-densities. The fixed points are unchanged (:math:`d = 0` there). ``relative_steps`` is a
+    tuple of arrays :math:`d_j/\theta_j` (broadcastable to the batch), ``event_dim`` the trailing axes
+    one distribution spans; ``max_step=None`` returns ``lr`` unchanged."""
+    if max_step is None:
+        return lr
+    axes = tuple(range(-event_dim, 0))
+    worst = None
+    for r in relative_steps:
+        r = jnp.max(jnp.abs(r), axis=axes, keepdims=True) if axes else jnp.abs(r)
+        worst = r if worst is None else jnp.maximum(worst, r)
+    worst = jnp.where(jnp.isfinite(worst), worst, jnp.inf)  # a non-finite step stays non-finite below
+    return lr * jnp.minimum(1.0, max_step / jnp.maximum(lr * worst, jnp.finfo(worst.dtype).tiny))
+
+
 class DirichletNatural(NamedTuple):
     """Natural parameter ``eta = alpha - 1`` for the statistic ``log x``."""
 
@@ -213,18 +239,21 @@ class Dirichlet:
         return DirichletNatural(natural.eta + grad_mu.mu)
 
     @staticmethod
-    def blr_update(natural, grad_mu, lr, improved=True):
+    def blr_update(natural, grad_mu, lr, improved=True, max_step=None):
         r"""One BLR step on :math:`\alpha`; see the module docstring.
 
         ``grad_mu`` holds :math:`\nabla_\mu \mathbb E_q[\ell]` (a :class:`DirichletExpectation`).
         ``improved=False``: :math:`\lambda \leftarrow (1-\rho)\lambda - \rho\nabla_\mu\mathbb E_q[\ell]`
         (exact at ``lr = 1`` for conjugate terms). ``improved=True``:
-        :math:`\alpha \leftarrow \alpha + \rho d + \rho^2 d^2/(2\alpha)`, positive for any gradient.
+        :math:`\alpha \leftarrow \alpha + \rho d + \rho^2 d^2/(2\alpha)`, positive for any gradient;
+        with ``max_step`` (:func:`trusted_step`) each distribution's :math:`\rho` is shrunk so that no
+        :math:`|\rho d_k| / \alpha_k` exceeds it.
         """
         if not improved:  # (1 - lr) lam - lr grad_mu: exactly -grad_mu at lr = 1
             return DirichletNatural((1.0 - lr) * natural.eta - lr * grad_mu.mu)
         d = -Dirichlet.natural_gradient(natural, grad_mu).eta
         alpha = Dirichlet.from_natural(natural)
+        lr = trusted_step(lr, (d / alpha,), max_step, event_dim=1)
         return Dirichlet.to_natural(alpha + lr * d + 0.5 * (lr * d) ** 2 / alpha)
 
     @staticmethod

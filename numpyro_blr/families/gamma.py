@@ -38,6 +38,8 @@ import jax.numpy as jnp
 import numpyro.distributions as dist
 from jax.scipy.special import digamma, gammaln, polygamma
 
+from numpyro_blr.families.dirichlet import trusted_step
+
 
 class GammaNatural(NamedTuple):
     """Natural parameters ``(eta1, eta2) = (a - 1, -b)`` for the statistics ``(log x, x)``."""
@@ -193,7 +195,7 @@ class Gamma:
         return GammaNatural(natural.eta1 + grad_mu.mu1, natural.eta2 + grad_mu.mu2)
 
     @staticmethod
-    def blr_update(natural, grad_mu, lr, improved=True):
+    def blr_update(natural, grad_mu, lr, improved=True, max_step=None):
         r"""One BLR step :math:`\lambda \leftarrow \lambda - \rho\,(\lambda + \nabla_\mu\mathbb E_q[\ell])`.
 
         ``grad_mu`` is a :class:`GammaExpectation`-shaped pair holding
@@ -201,7 +203,9 @@ class Gamma:
         included). With ``improved=False`` this is the plain BLR (Khan & Rue 2023), exact for
         conjugate terms at ``lr = 1`` but invalid for a bad gradient. With ``improved=True`` the step is
         taken in :math:`\eta = (a, b/a)` with the retraction in the module docstring (Lin, Schmidt &
-        Khan 2020), so shape and rate stay positive for any ``grad_mu`` and any ``lr > 0``, without clipping.
+        Khan 2020), so shape and rate stay positive for any ``grad_mu`` and any ``lr > 0``, without clipping;
+        ``max_step`` shrinks :math:`\rho` per element so that neither :math:`|\rho d_a|/a` nor
+        :math:`|\rho d_r|/r` exceeds it (:func:`~numpyro_blr.families.dirichlet.trusted_step`).
         """
         if not improved:  # (1 - lr) lam - lr grad_mu: exactly -grad_mu at lr = 1
             return GammaNatural(*[(1.0 - lr) * lam - lr * g for lam, g in zip(natural, grad_mu)])
@@ -211,6 +215,7 @@ class Gamma:
         # d = -J^{-1} u with J = d(lambda)/d(a, r) = [[1, 0], [-r, -a]]
         d_a = -u.eta1
         d_r = (u.eta2 + r * u.eta1) / a
+        lr = trusted_step(lr, (d_a / a, d_r / r), max_step)
         a_new = a + lr * d_a + 0.5 * (lr * d_a) ** 2 * _neg_christoffel_shape(a)
         r_new = r + lr * d_r + 0.5 * (lr * d_r) ** 2 / r
         return Gamma.to_natural(a_new, a_new * r_new)

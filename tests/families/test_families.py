@@ -348,6 +348,46 @@ def test_dirichlet_improved_update_stays_valid(alpha, g, lr):
     assert jnp.all(Dirichlet.from_natural(new) >= alpha / 2 * (1 - 1e-12))
 
 
+
+_trusted = {
+    "beta": jax.jit(lambda a, b, g1, g2, lr: Beta.from_natural(Beta.blr_update(
+        Beta.to_natural(a, b), Beta.Expectation(g1, g2), lr, max_step=1.0))),
+    "gamma": jax.jit(lambda a, b, g1, g2, lr: Gamma.from_natural(Gamma.blr_update(
+        Gamma.to_natural(a, b), Gamma.Expectation(g1, g2), lr, max_step=1.0))),
+}
+
+
+@hyp
+@given(positive, positive, grads, grads, steps)
+def test_trusted_step_bounds_the_relative_change(a, b, g1, g2, lr):
+    """With ``max_step=1`` each positive parameter of the improved step stays in [theta/2, 5 theta/2]
+    (for the Gamma: the shape a and the inverse mean r = b / a, so b within [a r / 4, 25 a r / 4])."""
+    a, b, g1, g2 = (jnp.array(v) for v in (a, b, g1, g2))
+    a_new, b_new = _trusted["beta"](a, b, g1, g2, lr)
+    for old, new in ((a, a_new), (b, b_new)):
+        assert old / 2 * (1 - 1e-9) <= new <= 2.5 * old * (1 + 1e-9)
+    a_new, b_new = _trusted["gamma"](a, b, g1, g2, lr)
+    assert bool(jnp.isfinite(a_new) & jnp.isfinite(b_new))
+    r, r_new = b / a, b_new / a_new
+    assert r / 2 * (1 - 1e-9) <= r_new <= 2.5 * r * (1 + 1e-9)
+    alpha = jnp.stack([a, b, a + b])
+    new = Dirichlet.from_natural(_dirichlet_trusted(Dirichlet.to_natural(alpha), Dirichlet.Expectation(jnp.stack([g1, g2, g1 - g2])), lr))
+    assert jnp.all(new >= alpha / 2 * (1 - 1e-9)) and jnp.all(new <= 2.5 * alpha * (1 + 1e-9))
+
+
+_dirichlet_trusted = jax.jit(lambda lam, g, lr: Dirichlet.blr_update(lam, g, lr, max_step=1.0))
+
+
+@pytest.mark.parametrize("name", ["gamma", "beta", "dirichlet"])
+def test_trusted_step_keeps_the_fixed_point_and_small_steps(name):
+    """The trust region changes neither the fixed point nor a step that is already inside it."""
+    fam, user, _, _ = cases()[name]
+    target = valid_target(name, fam, user)
+    grad_mu = fam.Expectation(*[-t for t in target])
+    tree_close(fam.blr_update(target, grad_mu, 0.7, max_step=1.0), target, rtol=1e-12, atol=1e-12)
+    lam = fam.to_natural(*user)
+    tree_close(fam.blr_update(lam, grad_mu, 1e-4, max_step=1.0), fam.blr_update(lam, grad_mu, 1e-4), rtol=1e-14)
+
 @hyp
 @given(st.floats(-50, 50), grads, st.lists(grads, min_size=2, max_size=2), steps)
 def test_logit_families_stay_finite(logit, g, gc, lr):
