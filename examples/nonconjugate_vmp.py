@@ -55,6 +55,7 @@ def main():
     t_nc = time.perf_counter() - t
     print(f"non-conjugate VMP: {res.num_steps} sweeps, {t_nc:.1f} s (with compilation), ELBO {res.elbo:.3f}; "
           f"factor 'y' integrated along {algo.engine.projected['y'][1][1]} link of its logits")
+    print(res.report)
 
     t = time.perf_counter()
     mcmc = MCMC(NUTS(model), num_warmup=500, num_samples=1500, num_chains=2, chain_method="sequential", progress_bar=False)

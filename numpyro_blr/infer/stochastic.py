@@ -22,6 +22,7 @@ as the whole data set and the posterior would be over-confident by :math:`N/B`.
 
 import math
 import warnings
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -33,12 +34,76 @@ from numpyro_blr.infer.vmp import FitResult, MessagePassing, SweepInfo, VMPState
 
 __all__ = ["svi"]
 
+#: ops that only normalise an index array (negative indices, dtype, shape): a gather whose indices come from the
+#: plate's indices through these reads the rows the plate selects
+_INDEX_OPS = frozenset({"lt", "le", "gt", "ge", "eq", "ne", "add", "sub", "select_n", "convert_element_type",
+                        "broadcast_in_dim", "reshape", "squeeze", "expand_dims", "concatenate", "clamp", "min", "max",
+                        "copy", "copy_p", "and", "or", "pjit", "jit"})
+_REDUCE_OPS = frozenset({"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "argmax", "argmin", "reduce_and",
+                         "reduce_or"})
+
+
+class _Flow(NamedTuple):
+    """What a jaxpr value carries: ``raw``, the data arguments it reads whole (not through the plate's indices);
+    ``indexed``, whether it depends on the plate's indices; ``direct``, whether it is those indices (normalised);
+    ``gathers``, the (array size along the gathered axes, argument positions) of the gathers by the plate's indices
+    it depends on."""
+
+    raw: frozenset = frozenset()
+    indexed: bool = False
+    direct: bool = False
+    gathers: frozenset = frozenset()
+
+
+def _join(flows):
+    return _Flow(frozenset().union(*[f.raw for f in flows]) if flows else frozenset(),
+                 any(f.indexed for f in flows), False,
+                 frozenset().union(*[f.gathers for f in flows]) if flows else frozenset())
+
+
+def _propagate(jaxpr, inputs):
+    """Forward data flow (:class:`_Flow`) through ``jaxpr`` given its inputs' flows; nested calls are entered."""
+    env = dict(zip(jaxpr.invars, inputs))
+
+    def read(v):
+        return _Flow() if type(v).__name__ == "Literal" else env.get(v, _Flow())
+
+    for eqn in jaxpr.eqns:
+        ins = [read(v) for v in eqn.invars]
+        name = eqn.primitive.name
+        sub = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
+        sub = getattr(sub, "jaxpr", sub)
+        if sub is not None and hasattr(sub, "eqns") and len(sub.invars) == len(ins):
+            outs = _propagate(sub, ins)
+        elif name == "gather" and ins[1].direct:
+            operand = eqn.invars[0].aval.shape
+            axes = tuple(operand[a] for a in eqn.params["dimension_numbers"].start_index_map)
+            gathered = frozenset({(axes, ins[0].raw)})
+            flow = _Flow(frozenset(), True, False, ins[0].gathers | ins[1].gathers | gathered)
+            outs = [flow] * len(eqn.outvars)
+        else:
+            flow = _join(ins)
+            if name in _INDEX_OPS and any(f.direct for f in ins):
+                flow = flow._replace(direct=True)
+            if name in _REDUCE_OPS:
+                flow = flow._replace(raw=frozenset())
+            outs = [flow] * len(eqn.outvars)
+        for o, f in zip(eqn.outvars, outs):
+            env[o] = f
+    return [read(v) for v in jaxpr.outvars]
+
 
 class _Stochastic(_Engine):
     def __init__(self, model, args, kwargs, *, kappa, tau, local_steps, order, check_model, rtol):
         from numpyro_blr.infer.graph import Graph
 
-        graph = Graph(model, args, kwargs, full_plates=False)
+        try:
+            graph = Graph(model, args, kwargs, full_plates=False)
+        except (ValueError, TypeError) as err:
+            if isinstance(err, ModelError):
+                raise
+            _explain_shapes(model, args, kwargs, err)
+            raise
         if not graph.subsampled:
             raise ModelError(
                 "svi: no numpyro.plate of the model declares subsample_size, so a minibatch would count as the whole "
@@ -48,6 +113,11 @@ class _Stochastic(_Engine):
         if len(graph.subsampled) > 1:
             raise ModelError(f"svi: one subsampled plate is supported, the model has {sorted(graph.subsampled)}.")
         (self.plate, (self.size, self.batch_size)), = graph.subsampled.items()
+        if self.batch_size > self.size:
+            raise ModelError(
+                f"svi: plate '{self.plate}' declares subsample_size={self.batch_size}, more than its size {self.size}: "
+                f"a minibatch cannot be larger than the data set. Pass subsample_size <= {self.size} (or fit the "
+                "whole data set with numpyro_blr.infer.vmp).")
         plates = {self.plate: jnp.arange(self.batch_size)}
         super().__init__(model, args, kwargs, order=order, check_model=check_model, rtol=rtol, plates=plates, name="svi")
         g = self.graph
@@ -69,6 +139,96 @@ class _Stochastic(_Engine):
             raise ValueError(f"svi: kappa must be in (0.5, 1] (Robbins-Monro), got {kappa}.")
         self.tau = check_positive(tau, "tau", allow_zero=True)
         self.local_steps = int(local_steps)
+        self.check_data()
+
+    # --- the data against the plate, at construction (concrete, outside the compiled step) ---------------------
+    def _arg_names(self):
+        """A name per dynamic data leaf (:meth:`Graph.data`): 'argument 0', "keyword argument 'y'", with its shape."""
+        graph = self.graph
+        with_path, _ = jax.tree_util.tree_flatten_with_path((graph.args, graph.kwargs))
+        _, _, dynamic = graph._data_leaves()
+        names = []
+        for i in dynamic:
+            path, x = with_path[i]
+            first = path[1] if len(path) > 1 else None
+            key = getattr(first, "idx", getattr(first, "key", "?"))
+            base = f"argument {key}" if path[0].idx == 0 else f"keyword argument '{key}'"
+            rest = jax.tree_util.keystr(tuple(path[2:]))
+            names.append(f"{base}{rest} (shape {tuple(np.shape(x))})")
+        return names
+
+    def check_data(self):
+        r"""Check how the observed sites in the subsampled plate read the data, from the jaxpr of their log densities
+        as a function of the model's array arguments and the plate's indices (:class:`_Flow`), and that the rows they
+        read are finite. Raises :class:`ModelError` naming the site, the argument and what to write when
+
+        * the plate's indices gather an array whose length along the gathered axis is not the declared size (a
+          smaller size uses only the first rows; a larger one has indices past the data, clamped by JAX);
+        * a site reads an argument with the plate's size along an axis without the indices (``obs=y[:B]``: the
+          same rows every step);
+        * an argument the plate's sites read has non-finite values (rows named).
+        """
+        graph = self.graph
+        names = [f for f, fac in graph.factors.items() if fac.observed and self.plate in fac.plates]
+        if not names:
+            return
+        leaves, treedef, dynamic = graph._data_leaves()
+        data = [jnp.asarray(leaves[i]) for i in dynamic]
+
+        def fn(data, idx):
+            values = list(leaves)
+            for i, x in zip(dynamic, data):
+                values[i] = x
+            saved = graph.args, graph.kwargs, graph.plate_values
+            graph.args, graph.kwargs = jax.tree_util.tree_unflatten(treedef, values)
+            graph.plate_values = {self.plate: idx}
+            try:
+                tr = graph.run({}, {})
+                return [tr[f]["fn"].log_prob(tr[f]["value"]) for f in names]
+            finally:
+                graph.args, graph.kwargs, graph.plate_values = saved
+
+        closed = jax.make_jaxpr(fn)(data, jnp.arange(self.batch_size))
+        inputs = [_Flow(raw=frozenset({k})) for k in range(len(data))] + [_Flow(indexed=True, direct=True)]
+        flows = _propagate(closed.jaxpr, inputs)
+        arg_names = self._arg_names()
+        plate, size, b = self.plate, self.size, self.batch_size
+        declared = f"numpyro.plate('{plate}', {size}, subsample_size={b})"
+        used = set()
+        for f, flow in zip(names, flows):
+            for sizes, args in sorted(flow.gathers, key=str):
+                used |= set(args)
+                if size in sizes or not sizes:
+                    continue
+                length = sizes[0]
+                what = " and ".join(arg_names[k] for k in sorted(args)) or "an array"
+                effect = (f"only its first {size} rows are ever used" if length > size else
+                          f"indices past its {length} rows are clamped to its last row")
+                raise ModelError(
+                    f"svi: observed site '{f}' reads {what} at the indices of the subsampled plate '{plate}' declared as "
+                    f"{declared}, but that array has {length} entries along the indexed axis, not {size}: {effect}. "
+                    f"Declare numpyro.plate('{plate}', {length}, subsample_size={b}) (the plate's size is the number of "
+                    "rows of the data).")
+            for k in sorted(flow.raw):
+                used.add(k)
+                shape = tuple(data[k].shape)
+                if size != b and size in shape:
+                    raise ModelError(
+                        f"svi: observed site '{f}' in the subsampled plate '{plate}' reads {arg_names[k]}, which has the "
+                        f"plate's {size} rows, without the plate's indices: every step sees the same rows instead of the "
+                        f"minibatch. Index it with them: `with {declared} as idx:` and read the rows as `...[idx]` "
+                        "(e.g. obs=y[idx]), or stream minibatches (pass each one's arguments to step).")
+        for k in sorted(used):
+            x = np.asarray(data[k])
+            if not np.issubdtype(x.dtype, np.inexact) or np.all(np.isfinite(x)):
+                continue
+            axis = next((a for a, n in enumerate(x.shape) if n == size), 0)
+            bad = np.nonzero(~np.all(np.isfinite(np.moveaxis(x, axis, 0).reshape(x.shape[axis], -1)), axis=1))[0]
+            shown = ", ".join(str(int(r)) for r in bad[:10]) + (", ..." if len(bad) > 10 else "")
+            raise ModelError(
+                f"svi: {arg_names[k]} has non-finite values (NaN or inf) in {len(bad)} row(s) along axis {axis}: "
+                f"[{shown}]. The subsampled plate '{plate}' reads it; remove or impute those rows (or mask them with "
+                "numpyro.handlers.mask / obs_mask) before fitting.")
 
     def rho(self, count):
         return (count + 1.0 + self.tau) ** (-self.kappa)
@@ -93,11 +253,14 @@ class _Stochastic(_Engine):
         elbo, per_factor, entropies = self.elbo_terms(natural)
         site_ok = jnp.stack(ok) if ok else jnp.ones((0,), bool)
         good = jnp.all(site_ok) & jnp.isfinite(elbo)
+        change = (self.change({n: self.graph.sites[n].expectation(state.natural[n]) for n in self.globals},
+                              {n: self.graph.sites[n].expectation(natural[n]) for n in self.globals}, self.globals)
+                  if self.globals else jnp.zeros((0,), self.float_dtype))
         new = VMPState({n: natural[n] for n in self.globals}, elbo, state.count + 1)
         new = select(good, new, state)
         factors = jnp.stack(list(per_factor.values()))
         return new, SweepInfo(-elbo, ~good, elbo, site_ok, jnp.isfinite(factors), factors,
-                              jnp.stack(list(entropies.values())))
+                              jnp.stack(list(entropies.values())), change, jnp.zeros((), bool))
 
     # --- the algorithm -------------------------------------------------------------------------------
     def init(self, init=None, key=None):
@@ -109,6 +272,7 @@ class _Stochastic(_Engine):
         given at construction, or indices drawn with ``key``."""
         graph = self.graph
         if batch:
+            self._check_batch(batch)
             graph.set_data(batch, self._kwargs)
             indices = jnp.arange(self.batch_size)
         else:
@@ -117,8 +281,29 @@ class _Stochastic(_Engine):
                 if key is None:
                     raise ValueError("svi: step needs a key to draw the minibatch (or indices=, or the batch's arguments).")
                 indices = jax.random.randint(key, (self.batch_size,), 0, self.size)
+            elif tuple(np.shape(indices)) != (self.batch_size,):
+                raise ValueError(f"svi: step's indices must have shape ({self.batch_size},) (the subsample_size of plate "
+                                 f"'{self.plate}'), got {tuple(np.shape(indices))}.")
         graph.plate_values = {self.plate: jnp.asarray(indices)}
         return self.jitted(state)
+
+    def _check_batch(self, batch):
+        """A streamed minibatch must have the structure and shapes of the arguments given at construction (the compiled
+        step's): otherwise name the argument."""
+        ref, ref_def = jax.tree_util.tree_flatten(self._args)
+        got, got_def = jax.tree_util.tree_flatten_with_path(tuple(batch))
+        if ref_def != got_def:
+            raise ValueError(f"svi: step got {len(batch)} minibatch argument(s) of another structure than the "
+                             f"{len(self._args)} given at construction; pass the model's arguments for this minibatch, "
+                             "in the same order.")
+        for a, (path, b) in zip(ref, got):
+            if np.shape(a) != np.shape(b):
+                where = f"argument {path[0].idx}{jax.tree_util.keystr(tuple(path[1:]))}"
+                raise ValueError(
+                    f"svi: step's minibatch {where} has shape {np.shape(b)}, but the model was built for {np.shape(a)} "
+                    f"(plate '{self.plate}' declares subsample_size={self.batch_size}): pass minibatches of "
+                    f"{self.batch_size} rows (drop or pad the last, short one), or build svi with a minibatch of the "
+                    "new size.")
 
     def full_elbo(self, state, *args, **kwargs):
         """The ELBO on the whole data set (``args``: the model's full arguments, default those given at construction)
@@ -150,7 +335,7 @@ class _Stochastic(_Engine):
         if batches is None and key is None:
             key = jax.random.PRNGKey(0)
         perm_rng = np.random.default_rng(None if key is None else np.asarray(jax.random.key_data(key)).ravel()[-1])
-        history, diverged, taken = [], None, 0
+        history, diverged, taken, last = [], None, 0, None
         bar = _progress(num_steps, "svi", progress_bar)
         batch_iter = iter(batches) if batches is not None else None
         perm, pos = None, self.size
@@ -173,14 +358,20 @@ class _Stochastic(_Engine):
                 warnings.warn(f"svi: step {t + 1} is not finite ({diverged} went non-finite); stopped and kept the last "
                               "finite state.", RuntimeWarning, stacklevel=3)
                 break
-            state, taken = new, taken + 1
+            state, taken, last = new, taken + 1, info
             history.append(float(info.elbo))
             if t % 50 == 0:
                 bar.set_postfix(minibatch_elbo=f"{history[-1]:.6g}")
         bar.close()
+        from numpyro_blr.infer import report
+
+        rep = report.stochastic(self, taken, history, last, float(self.rho(float(state.count))))
+        if diverged is None:
+            for problem in rep.problems:
+                warnings.warn(problem, RuntimeWarning, stacklevel=3)
         return FitResult(state=state, posterior=self.posterior(state), params=self.params(state),
-                         elbo=history[-1] if history else float("nan"), elbo_history=history, converged=False,
-                         num_steps=taken, diverged=diverged, guide=self.guide(state))
+                         elbo=history[-1] if history else float("nan"), elbo_history=history, converged=rep.converged,
+                         num_steps=taken, diverged=diverged, guide=self.guide(state), report=rep)
 
     def posterior(self, state):
         return {n: self.graph.sites[n].distribution(state.natural[n]) for n in self.globals}
@@ -221,3 +412,38 @@ def svi(model, *args, kappa=0.7, tau=1.0, local_steps=1, order=None, check=True,
                          check_model=check, rtol=rtol)
     return engine.algorithm({"rule": "blr", "rho": f"(t + {tau})^-{kappa}", "local": engine.local,
                              "global": engine.globals})
+
+
+def _explain_shapes(model, args, kwargs, err):
+    """Raise :class:`ModelError` naming the observed site whose value does not fit its subsampled plate, when that is
+    why building the graph failed with ``err`` (a broadcast error from inside NumPyro); return otherwise."""
+    from numpyro import handlers
+
+    found = []
+
+    def trace():
+        with handlers.block():
+            tr = handlers.trace(handlers.seed(model, 0)).get_trace(*args, **(kwargs or {}))
+        for name, msg in tr.items():
+            if msg["type"] != "sample" or not msg["is_observed"]:
+                continue
+            shape = tuple(np.shape(msg["value"]))[:len(np.shape(msg["value"])) - len(msg["fn"].event_shape) or None]
+            for frame in msg.get("cond_indep_stack", []):
+                sub = tr.get(frame.name, {}).get("args", (None, None))
+                if sub[1] is None or sub[1] == sub[0]:
+                    continue
+                axis = len(shape) + frame.dim
+                if 0 <= axis < len(shape) and shape[axis] not in (1, frame.size):
+                    found.append((name, frame.name, sub[0], sub[1], shape[axis]))
+        return 0
+
+    try:
+        jax.eval_shape(trace)
+    except Exception:  # noqa: BLE001 - the model fails before its sites: leave the original error
+        return
+    if found:
+        name, plate, size, b, rows = found[0]
+        raise ModelError(
+            f"svi: observed site '{name}' has {rows} rows along subsampled plate '{plate}', which declares "
+            f"subsample_size={b} (numpyro.plate('{plate}', {size}, subsample_size={b})): the minibatch given has another "
+            f"size than the plate's. Pass minibatches of {b} rows, or declare subsample_size={rows}.") from err
