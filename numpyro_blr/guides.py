@@ -26,9 +26,22 @@ import numpyro.distributions as dist
 from numpyro import handlers
 from numpyro.distributions import constraints
 from numpyro.distributions.transforms import biject_to
+from numpyro.infer.initialization import init_to_uniform
 
 from numpyro_blr.estimators.discrete import MAX_ENUMERATE, SCORE_SAMPLES
 from numpyro_blr.families.registry import FAMILIES, GUIDE_FAMILIES, allowed_families, base_support, default_family, num_categories
+
+
+def _value_for_improper(site):
+    """A value for a sample site whose prior cannot be sampled (``ImproperUniform``), else None."""
+    if site.get("type") != "sample" or site.get("is_observed") or "fn" not in site:
+        return None
+    fn = site["fn"]
+    while hasattr(fn, "base_dist"):
+        fn = fn.base_dist
+    if isinstance(fn, dist.ImproperUniform):
+        return init_to_uniform(site)
+    return None
 
 
 class ExpFamilyGuide:
@@ -76,7 +89,10 @@ class ExpFamilyGuide:
             warnings.simplefilter("ignore", UserWarning)
             key = numpyro.prng_key()
         key = jax.random.PRNGKey(0) if key is None else key
-        with handlers.block(), handlers.trace() as tr, handlers.seed(rng_seed=key):
+        # an improper prior (ImproperUniform: a flat prior) cannot be sampled; its site gets a value as
+        # NumPyro's autoguides give it (init_to_uniform), and its "normal" family is centred there
+        with handlers.block(), handlers.trace() as tr, handlers.substitute(substitute_fn=_value_for_improper), \
+                handlers.seed(rng_seed=key):
             self.model(*args, **kwargs)
         unknown = set(self.families) - {n for n, s in tr.items() if s["type"] == "sample" and not s["is_observed"]}
         if unknown:
@@ -115,16 +131,14 @@ class ExpFamilyGuide:
                         f"allowed: {list(allowed) or 'none'}."
                     )
             else:
-                fam = default_family(support)
+                # a continuous support without its own family (interval(2, 5), greater_than(1), ...)
+                # gets a Gaussian on the unconstrained value, as AutoNormal gives every site
+                fam = default_family(support) or (None if support.is_discrete else "normal")
                 if fam is None:
-                    hint = (
-                        f"override it with families={{{name!r}: 'normal'}} (a Gaussian on the unconstrained value)"
-                        if not support.is_discrete
-                        else "discrete latents need support boolean or integer_interval(0, K-1); "
-                        "marginalise it out of the model or give it such a support"
-                    )
                     raise ValueError(
-                        f"ExpFamilyGuide has no family for site {name!r} with support {support}: {hint}."
+                        f"ExpFamilyGuide has no family for discrete site {name!r} with support {support}: discrete "
+                        "latents need support boolean or integer_interval(0, K-1); marginalise it out of the "
+                        "model or give it such a support."
                     )
             value = site["value"]
             for f in site["cond_indep_stack"]:
@@ -149,8 +163,9 @@ class ExpFamilyGuide:
         except Exception:  # noqa: BLE001 - no finite mean: use the prior draw
             center = jnp.asarray(value, dtype)
         c = 1.0 / self.init_scale**2
-        if fam == "normal":
-            return {"loc": biject_to(support).inv(center), "scale": jnp.full(shape, self.init_scale, dtype)}
+        if fam == "normal":  # on the unconstrained value, whose shape may differ (corr_cholesky: (d, d) -> (d(d-1)/2,))
+            loc = biject_to(support).inv(center)
+            return {"loc": loc, "scale": jnp.full(jnp.shape(loc), self.init_scale, dtype)}
         if fam == "gamma":
             return {"concentration": jnp.full(shape, c, dtype), "rate": c / center}
         if fam == "beta":
@@ -171,7 +186,8 @@ class ExpFamilyGuide:
         fam, event_dim = FAMILIES[info["family"]], info["event_dim"]
         d = fam.distribution(*[values[p] for p in fam.params])
         if fam.name == "normal" and base_support(info["support"]) is not constraints.real:
-            d = dist.TransformedDistribution(d.to_event(event_dim), biject_to(info["support"]))
+            t = biject_to(info["support"])  # its domain's event dims replace the codomain's in the site's event
+            d = dist.TransformedDistribution(d.to_event(t.domain.event_dim + event_dim - t.codomain.event_dim), t)
             event_dim = 0
         return d.to_event(event_dim - fam.event_dim)
 

@@ -9,6 +9,7 @@ import pytest
 from numpyro import handlers
 from numpyro.infer import MCMC, NUTS, SVI, Trace_ELBO
 from numpyro.infer.autoguide import AutoNormal
+from numpyro.infer.reparam import LocScaleReparam
 from numpyro.infer.util import log_density
 from sklearn.datasets import load_linnerud, load_wine
 
@@ -291,14 +292,31 @@ def test_enumerated_losses_equal_substituting_the_value(model):
 # ---------------------------------------------------------------- bad input
 
 
-def test_site_without_family_names_the_site_and_how_to_override():
-    def model():
-        numpyro.sample("s", dist.Uniform(2.0, 5.0))
+def test_continuous_site_without_family_gets_a_gaussian_and_flat_priors_work():
+    """A continuous support without a family of its own (interval(2, 5), greater_than(1)) gets a Gaussian
+    on the unconstrained value, as AutoNormal gives every site, and a flat prior (ImproperUniform,
+    which cannot be sampled) gets its prototype value as NumPyro's autoguides do: the robustness suite's
+    kidiq (flat coefficients) and baseball (kappa > 1) models failed to build before."""
+    def model(y):
+        s = numpyro.sample("s", dist.Uniform(2.0, 5.0))
+        k = numpyro.sample("k", dist.Pareto(1.0, 1.5))  # support greater_than(1)
+        b = numpyro.sample("b", dist.ImproperUniform(dist.constraints.real, (), (2,)))
+        corr = numpyro.sample("corr", dist.LKJCholesky(2, 2.0))  # (2, 2) value, one unconstrained number
+        with numpyro.plate("g", 3), handlers.reparam(config={"a": LocScaleReparam(centered=0)}):
+            a = numpyro.sample("a", dist.Normal(0.0, k))
+        with numpyro.plate("rows", y.shape[0]):
+            numpyro.sample("y", dist.Normal(b[0] + b[1] + s + a[jnp.arange(y.shape[0]) % 3] + corr[1, 0], k), obs=y)
 
-    with pytest.raises(ValueError, match=r"(?i)'s'.*interval.*families=\{'s': 'normal'\}"):
-        SVI(model, ExpFamilyGuide(model), nb.BLR(), Trace_ELBO()).init(jax.random.PRNGKey(0))
-    # the override works
-    SVI(model, ExpFamilyGuide(model, families={"s": "normal"}), nb.BLR(), Trace_ELBO()).init(jax.random.PRNGKey(0))
+    y = 3.0 + 2.0 * jax.random.normal(jax.random.PRNGKey(1), (50,))
+    guide = ExpFamilyGuide(model)
+    result = SVI(model, guide, nb.BLR(), Trace_ELBO()).run(jax.random.PRNGKey(0), 50, y, progress_bar=False)
+    assert {n: i["family"] for n, i in guide.sites.items()} == {
+        "s": "normal", "k": "normal", "b": "normal", "corr": "normal", "a_decentered": "normal"}
+    assert np.all(np.isfinite(np.asarray(result.losses)))
+    med = guide.median(result.params)
+    assert 2.0 < float(med["s"]) < 5.0 and float(med["k"]) > 1.0
+    draws = guide.sample_posterior(jax.random.PRNGKey(2), result.params, sample_shape=(7,))
+    assert draws["corr"].shape == (7, 2, 2) and np.allclose(draws["corr"][:, 0, 0], 1.0)
 
 
 def test_discrete_site_without_family():
