@@ -682,6 +682,7 @@ def fit(model, guide, *args, optim=None, num_steps=1000, rng_key=None, loss=None
             _CACHE[key] = program
             while len(_CACHE) > _CACHE_SIZE:
                 _CACHE.popitem(last=False)
+    check_data(model, args, kwargs, shapes=False)  # NaN/inf in the data: on the concrete arrays, before the program
     state, losses, params = program.run(rng_key, (data, {}), init_state, progress_bar)
     warn = getattr(optim, "warn", None)
     if warn is not None:  # the end-of-run warnings svi.run's get_params gives
@@ -690,26 +691,155 @@ def fit(model, guide, *args, optim=None, num_steps=1000, rng_key=None, loss=None
 
 
 # -- checks made while the program is traced (shapes only: no cost at run time) ---------------------
-def _argument_name(value, args, kwargs):
-    """The name of the argument ``value`` came from (by identity with the program's inputs), or ``None``."""
+def _arguments(model, args, kwargs):
+    """``[(label, value)]`` of the call's arguments, labelled by the model's parameter names where its
+    signature binds them (``argument 'X'``), else by position (``argument 0``) or keyword."""
+    import inspect
+
+    names = []
+    try:
+        params = list(inspect.signature(model).parameters.values())
+        positional = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    except (TypeError, ValueError):
+        positional = []
     for i, a in enumerate(args):
+        names.append((f"argument {positional[i]!r}" if i < len(positional) else f"argument {i}", a))
+    names += [(f"argument {k!r}", v) for k, v in kwargs.items()]
+    return names
+
+
+def _argument_name(value, args, kwargs, model=None):
+    """The name of the argument ``value`` came from (by identity with the program's inputs), or ``None``."""
+    for label, a in _arguments(model, args, kwargs) if model is not None else (
+            [(f"argument {i}", a) for i, a in enumerate(args)] + [(f"argument {k!r}", v) for k, v in kwargs.items()]):
         if a is value:
-            return f"argument {i}"
-    for k, v in kwargs.items():
-        if v is value:
-            return f"argument {k!r}"
+            return label
     return None
+
+
+def _array_arguments(model, args, kwargs):
+    """``[(label, array)]``: the array leaves of the arguments (a pytree argument's leaves labelled by their path)."""
+    out = []
+    for label, value in _arguments(model, args, kwargs):
+        leaves = jax.tree_util.tree_leaves_with_path(value)
+        for path, leaf in leaves:
+            if isinstance(leaf, (np.ndarray, jax.Array)) and np.ndim(leaf) > 0:
+                out.append((label + jax.tree_util.keystr(path), leaf))
+    return out
+
+
+def _rows(mask):
+    """``'rows [3, 7]'`` (leading-axis indices where ``mask`` holds anywhere in the row), at most ten listed."""
+    mask = np.asarray(mask)
+    rows = np.nonzero(mask.reshape(mask.shape[0], -1).any(axis=1))[0] if mask.ndim else np.zeros(0, int)
+    listed = ", ".join(str(int(r)) for r in rows[:10])
+    more = f", ... ({rows.size} rows in all)" if rows.size > 10 else ""
+    return f"row{'s' if rows.size != 1 else ''} [{listed}{more}]"
+
+
+def _nonfinite_arguments(model, args, kwargs):
+    """``[(label, non-finite mask)]`` of the concrete floating-point array arguments that hold NaN or inf
+    (one host-side reduction per array; tracers, integer and boolean arrays are skipped)."""
+    bad = []
+    for label, a in _array_arguments(model, args, kwargs):
+        if isinstance(a, jax.core.Tracer) or not jnp.issubdtype(jnp.result_type(a), jnp.inexact):
+            continue
+        if isinstance(a, jax.Array) and bool(jnp.all(jnp.isfinite(a))):  # on the device: no transfer when finite
+            continue
+        mask = ~np.isfinite(np.asarray(a))
+        if mask.any():
+            bad.append((label, mask))
+    return bad
+
+
+def _leading_sizes(model, args, kwargs):
+    """``{label: leading size}`` of the array arguments with at least one axis."""
+    return {label: int(np.shape(a)[0]) for label, a in _array_arguments(model, args, kwargs)}
+
+
+def _trace_model(model, args, kwargs):
+    """The model's trace with its latent values drawn as NumPyro's initialisation draws them (shapes and
+    the observed sites' distributions are what the checks read)."""
+    from numpyro.infer.initialization import init_to_uniform
+
+    with handlers.block(), handlers.substitute(substitute_fn=init_to_uniform), handlers.seed(rng_seed=0):
+        return handlers.trace(model).get_trace(*args, **kwargs)
+
+
+def check_data(model, args, kwargs, shapes=True):
+    """Check the data of a fit before it starts (host side, on concrete arrays: ``nb.fit`` calls it before
+    entering its compiled program, ``nb.BLR``/``nb.IVON`` under ``SVI`` at ``svi.init``); returns the model's
+    trace (or ``None`` where the arguments are tracers). Raises ``ValueError`` naming the argument and the rows:
+
+    * an array argument holding NaN or inf where it makes an observed site's log density non-finite
+      (NaN in ``y``, inf in ``X``; a non-finite value the model masks out or never reads passes);
+    * array arguments whose leading sizes disagree where the model cannot be evaluated, or where an
+      observed site's data do not have the distribution's shape (:func:`check_observations`).
+    """
+    leaves = jax.tree_util.tree_leaves((args, kwargs))
+    if any(isinstance(x, jax.core.Tracer) for x in leaves):
+        return None
+    with jax.ensure_compile_time_eval():  # concrete data inside a jit (svi.run in a jitted function): eagerly
+        return _check_data(model, args, kwargs, shapes)
+
+
+def _check_data(model, args, kwargs, shapes):
+    bad = _nonfinite_arguments(model, args, kwargs)
+    what = "; ".join(f"{label} has NaN or inf in {_rows(mask)}" for label, mask in bad)
+    if not bad and not shapes:
+        return None
+    fix = ("Remove those rows (or impute them), or mask them out of the likelihood (numpyro.handlers.mask, or "
+           "obs_mask= for missing observations) before fitting.")
+    try:
+        model_trace = _trace_model(model, args, kwargs)
+    except Exception as err:  # noqa: BLE001 - say what in the data makes the model fail, if we can
+        if bad:
+            raise ValueError(f"the model fails on its data ({type(err).__name__}: {err}): {what}. {fix}") from err
+        _raise_leading_sizes(model, args, kwargs, err)
+        return None  # not explained by the data: NumPyro's own initialisation says what fails
+    if shapes:
+        _check_observed_shapes(model_trace, model, args, kwargs)
+    if bad:
+        sites = []
+        for name, site in model_trace.items():
+            if site["type"] != "sample" or not site["is_observed"]:
+                continue
+            with warnings.catch_warnings():  # out-of-support data are what is being looked for
+                warnings.simplefilter("ignore")
+                log_prob = jnp.asarray(site["fn"].log_prob(site["value"]))
+            if site.get("mask") is not None:
+                log_prob = jnp.where(site["mask"], log_prob, 0.0)
+            if not bool(jnp.all(jnp.isfinite(log_prob))):
+                sites.append(name)
+        if sites:
+            raise ValueError(f"{what}: the log density of the observed site(s) {sites} is then not finite, and the fit "
+                             f"would be meaningless. {fix}")
+    return model_trace
+
+
+def _raise_leading_sizes(model, args, kwargs, err=None):
+    """Raise naming the array arguments and their leading sizes when these disagree (one row per observation)."""
+    sizes = _leading_sizes(model, args, kwargs)
+    if len(set(sizes.values())) > 1:
+        listed = ", ".join(f"{label} has {n} rows" for label, n in sizes.items())
+        failed = f" ({type(err).__name__}: {err})" if err is not None else ""
+        raise ValueError(f"the model fails on its data{failed}, and its array arguments' leading sizes disagree: {listed}. "
+                         "Where each holds one row per observation, pass the same number of rows.") from err
 
 
 def check_observations(model, args, kwargs):
     """Raise, naming the site and the argument, where an observed site's data would broadcast against its
     distribution into another shape (``y`` of shape ``(N, 1)`` against a plate of ``N``), or cannot
     broadcast (arguments whose leading sizes disagree). Runs on a trace of the model: shapes only."""
-    from numpyro.infer.initialization import init_to_uniform
+    try:
+        model_trace = _trace_model(model, args, kwargs)
+    except Exception as err:  # noqa: BLE001 - the arguments' sizes, if they disagree, say why
+        _raise_leading_sizes(model, args, kwargs, err)
+        raise
+    _check_observed_shapes(model_trace, model, args, kwargs)
 
-    # latent values as NumPyro's initialisation draws them (improper priors included): only shapes are read
-    with handlers.block(), handlers.substitute(substitute_fn=init_to_uniform), handlers.seed(rng_seed=0):
-        model_trace = handlers.trace(model).get_trace(*args, **kwargs)
+
+def _check_observed_shapes(model_trace, model, args, kwargs):
     for name, site in model_trace.items():
         if site["type"] != "sample" or not site["is_observed"]:
             continue
@@ -720,13 +850,15 @@ def check_observations(model, args, kwargs):
             joint = None
         if joint in (dist_shape, value_shape):  # the data in the distribution's shape, or broadcasting a smaller one
             continue
-        source = _argument_name(site["value"], args, kwargs)
+        source = _argument_name(site["value"], args, kwargs, model)
         source = f" ({source})" if source else ""
+        sizes = _leading_sizes(model, args, kwargs)
+        listed = ", ".join(f"{label} has {n}" for label, n in sizes.items())
         raise ValueError(
             f"observed site {name!r}: the data{source} have shape {value_shape}, but the model's distribution there has "
             f"shape {dist_shape} (batch {tuple(site['fn'].batch_shape)}, event {tuple(site['fn'].event_shape)}), set by the "
             "other arguments and plates"
-            + (": the arguments' leading sizes disagree (one row of each argument per observation)."
+            + (f": the arguments' leading sizes disagree ({listed} rows); pass one row of each argument per observation."
                if joint is None else f": they would broadcast to {joint} and count each observation many times. "
                "Pass the data in the distribution's shape (e.g. y.reshape(-1) for a column vector).")
         )

@@ -28,6 +28,8 @@ parameters (and, with the guide, the sites) concerned and the one change that fi
   most :math:`6.4\times10^4`, and only that one fails in float32 (:math:`1/\varepsilon = 8.4\times10^6`);
   a float32 regression with :math:`\kappa = 3\times10^6` still ends with means within 0.002 sd and
   sds 4% low;
+* **too short to judge**: a run of fewer than ``MIN_STEPS`` steps, where the convergence checks above
+  (averages over the steps) have nothing to go on, says so instead of finding no problem;
 * **still damped**: backtracking (:meth:`~numpyro_blr.BLR._backtrack`) still shortened the mean
   step on more than ``DAMPED_FRACTION`` of the recent steps (``FitTrace.damped_recent``): the
   local quadratic model of the loss keeps failing where the fit ended. Steps damped early in a
@@ -51,7 +53,7 @@ UNCONVERGED_PERSISTENCE = 0.7
 COLLAPSE_EPS = 10.0
 ILL_CONDITIONED = 1.0  # kappa * eps above which the correlation matrix's narrowest direction is not resolved
 CONDITION_MAX_DIM = 256  # larger dense blocks are not checked: an eigendecomposition on the host at every get_params (5 ms at 256)
-MIN_STEPS = 10  # no verdict on convergence before this many steps
+MIN_STEPS = 10  # no verdict on convergence before this many steps: a shorter run is reported as too short to judge
 DAMPED_FRACTION = 0.3
 
 
@@ -215,6 +217,50 @@ def correlation_condition(scale_tril):
     return float(eig[-1] / eig[0]) if eig[0] > 0 else float("inf")
 
 
+def check_guide_params(guide, params, where, args=(), kwargs=None, unconstrained=False):
+    """Raise ``ValueError`` naming the parameters where ``params`` are not ``guide``'s: a parameter the guide
+    declares that ``params`` lack, or one whose shape differs (the guide of another model, or an
+    ``AutoMultivariateNormal``'s parameters given with an ``AutoNormal``). ``params`` may hold more (the
+    model's own ``numpyro.param``). The guide is run once with ``args``/``kwargs`` (without them, an
+    autoguide that is set up still runs); a guide that cannot be run so is not checked.
+    ``unconstrained``: ``params`` are SVI's unconstrained values (the optimizer state's), not
+    ``svi_result.params``."""
+    from numpyro import handlers
+    from numpyro.distributions import constraints
+    from numpyro.distributions.transforms import biject_to
+
+    if guide is None or not callable(guide) or not hasattr(params, "keys"):
+        return
+    try:
+        with handlers.block():
+            tr = handlers.trace(handlers.seed(guide, 0)).get_trace(*args, **(kwargs or {}))
+    except Exception:  # noqa: BLE001 - a guide that cannot run without its arguments (or not set up): not checked
+        return
+    declared = {n: site for n, site in tr.items() if site["type"] == "param"}
+    missing = sorted(n for n in declared if n not in params)
+    wrong = []
+    for n, site in declared.items():
+        if n not in params or not hasattr(params[n], "shape") or not hasattr(site["value"], "shape"):
+            continue
+        want = tuple(jnp.shape(site["value"]))
+        if unconstrained:
+            transform = biject_to(site["kwargs"].get("constraint", constraints.real))
+            want = tuple(jax.eval_shape(transform.inv, site["value"]).shape)
+        if tuple(jnp.shape(params[n])) != want:
+            wrong.append(f"{n!r} has shape {tuple(jnp.shape(params[n]))} where the guide's has {want}")
+    if not missing and not wrong:
+        return
+    told = []
+    if missing:
+        told.append(f"the guide declares {missing}, which the parameters lack (they hold {sorted(params)})")
+    if wrong:
+        told.append("; ".join(wrong))
+    raise ValueError(
+        f"{where}: the parameters are not those of this guide ({type(guide).__name__}): {'; '.join(told)}. Is it the "
+        "guide of another model, or another kind of guide? Pass the guide the parameters were fitted with."
+    )
+
+
 def fit_report(result, optimizer=None, guide=None):
     """The :class:`FitReport` of a BLR run.
 
@@ -222,12 +268,18 @@ def fit_report(result, optimizer=None, guide=None):
     :param optimizer: the :class:`~numpyro_blr.BLR` instance (to read the guide's blocks with its
         prefix and constraints); default ``nb.BLR()``'s.
     :param guide: the guide, to name sites inside ``AutoMultivariateNormal``/``AutoDiagonalNormal``'s
-        single vector.
+        single vector. It must be the guide the run fitted: parameters it declares that the run lacks, or
+        with other shapes, raise ``ValueError`` naming them (:func:`check_guide_params`).
+
+    A run shorter than ``MIN_STEPS`` steps is reported as too short to judge (its convergence checks are
+    averages over the steps).
     """
     from numpyro_blr.optim import BLR  # local: optim imports this module lazily
 
     step, s = _opt_state(result)
     optimizer = optimizer or BLR()
+    if guide is not None and guide is not getattr(optimizer, "guide", None):  # the optimizer's own guide is read
+        check_guide_params(guide, s.params, "fit_report", unconstrained=True)  # by its layout: no extra trace
     guide = guide if guide is not None else getattr(optimizer, "guide", None)
     tr = s.algorithm.trace
     steps = int(step)
@@ -264,6 +316,14 @@ def fit_report(result, optimizer=None, guide=None):
             f"{best:.6g} in this run. {fix}"
         )
         keys.append(("diverged",))
+
+    if steps < MIN_STEPS and not diverged:
+        problems.append(
+            f"nb.BLR ran only {steps} step(s): too short to judge whether it converged (the report's checks average over "
+            f"at least {MIN_STEPS} steps), so its result may be far from the optimum. Continue the run "
+            "(svi.run(key, steps, ..., init_state=svi_result.state)) or run more steps."
+        )
+        keys.append(("too short", steps))
 
     unconverged = {}
     for name, size in tr.gradient_size.items():

@@ -13,8 +13,12 @@ algorithm (``nb.BLR``, ``nb.IVON`` and what follows), what does not depend on th
 * skips a step whose loss, gradients or update are not finite (a select, not a branch: a
   conditional inside ``SVI.run``'s scan costs as much as a small model's whole step on CPU),
   records which parameters were at fault, and follows NumPyro's ``stable_update`` convention;
-* refuses another optimizer's state with what to do instead, and reports at the end of a run
-  (``get_params`` outside ``jit``) what the algorithm found wrong, each problem once per run.
+* refuses another optimizer's state with what to do instead (another algorithm's, or one made by
+  the same algorithm with options that keep other arrays), and reports at the end of a run
+  (``get_params`` outside ``jit``) what the algorithm found wrong, each problem once per run;
+* checks the data before the first step (:func:`install_svi_checks`: ``svi.init`` with one of these
+  optimizers runs :func:`numpyro_blr.compile_once.check_data` on the concrete arguments, host side,
+  once per ``svi.init``; nothing is added to the step).
 
 The algorithm is a :class:`GuideAlgorithm`: ``init(params, layout) -> (params, state)``,
 ``step(fn, params, state, layout, step, forward_mode) -> GuideStep`` (the proposed parameters of
@@ -24,6 +28,7 @@ optimizer) -> [(key, message)]``; an algorithm with a guide of its own (paramete
 has) also gives ``read_layout(params, optimizer) -> Layout``.
 """
 
+import functools
 import warnings
 from typing import Any, Callable, NamedTuple
 
@@ -119,6 +124,20 @@ class GuideOptimizer(_NumPyroOptim):
         self.scale_constraint = getattr(guide, "scale_constraint", None)
         self.scale_tril_constraint = getattr(guide, "scale_tril_constraint", None)
         self.update_with_value = False
+        self._state_shapes = {}  # parameter structure -> the algorithm state's structure and shapes
+        self.data_size = None  # observations the likelihood sums over, read by check_data at svi.init
+
+    # -- the data, at svi.init -------------------------------------------------------------
+    def check_data(self, model, args, kwargs):
+        """Check the fit's data before it starts (:func:`numpyro_blr.compile_once.check_data`: NaN or inf that
+        reaches the likelihood, arguments whose numbers of rows disagree, data that broadcast against an
+        observed site into another shape), naming the argument and the rows; record :attr:`data_size`.
+        Called by ``svi.init`` (:func:`install_svi_checks`), on concrete arrays only."""
+        from numpyro_blr.compile_once import check_data
+
+        model_trace = check_data(model, args, kwargs)
+        if model_trace is not None:
+            self.data_size = observation_count(model_trace)
 
     # -- structure -------------------------------------------------------------------------
     def layout(self, params):
@@ -158,6 +177,39 @@ class GuideOptimizer(_NumPyroOptim):
                    if self.guide is None else ".")
             )
         return layout
+
+    def check_state(self, s, layout):
+        """Raise, saying what the state is from and what to do, when ``s.algorithm`` is not a state this
+        optimizer makes for these parameters: another algorithm's (``nb.IVON``'s state given to ``nb.BLR``),
+        or one made by the same algorithm with options that keep other arrays (``nb.BLR()``'s state given
+        to ``nb.BLR(hessian="reparam")``). The expected structure is traced once per parameter structure."""
+        key = tuple(sorted((k, tuple(jnp.shape(v))) for k, v in s.params.items() if hasattr(v, "shape")))
+        if key not in self._state_shapes:
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    made = jax.eval_shape(lambda p: self.algorithm.init(dict(p), layout)[1], s.params)
+            except Exception:  # noqa: BLE001 - an init that needs concrete values: the state is not compared
+                made = None
+            self._state_shapes[key] = made
+        expected = self._state_shapes[key]
+        if expected is None:
+            return
+        got_def, want_def = jax.tree.structure(s.algorithm), jax.tree.structure(expected)
+        name = self.algorithm.name
+        if type(s.algorithm) is not type(expected):
+            what = f"{state_origin(s)}, where {name} keeps {_article(type(expected).__name__)}"
+        else:
+            differs = _state_difference(s.algorithm, expected)
+            if differs is None and got_def == want_def:
+                return
+            what = f"{_ORIGINS.get(type(expected).__name__, name)} with other options: {differs}"
+        raise TypeError(
+            f"{name} was given the optimizer state of {what}. svi.run(..., init_state=...) "
+            "continues a run only with the optimizer that made the state, configured the same way. Continue with that "
+            f"optimizer, or start {name} from that run's parameters: svi.run(key, num_steps, *args, "
+            "init_params=previous_result.params)."
+        )
 
     # -- the _NumPyroOptim protocol --------------------------------------------------------
     def init(self, params):
@@ -212,6 +264,7 @@ class GuideOptimizer(_NumPyroOptim):
         check_foreign_state(s, GuideState, self.algorithm.name)
         params = s.params
         layout = self.layout(params)
+        self.check_state(s, layout)  # trace time (a structure comparison)
         check_loss(fn, params, layout, read_by_names=not self.traced)  # trace time only
         passthrough = passthrough_params(fn, params, layout.other, self.fallback, self.algorithm.name)
         out = self.algorithm.step(fn, params, s.algorithm, layout, i, forward_mode)
@@ -249,6 +302,52 @@ def _all_finite(arrays):
     return jnp.isfinite(sum(jnp.sum(a * 0) for a in arrays))
 
 
+def _state_difference(got, want):
+    """The fields of two algorithm states of one type whose structure or shapes differ, in words (``None`` if none)."""
+    fields = getattr(type(want), "_fields", None)
+    pairs = [(f, getattr(got, f), getattr(want, f)) for f in fields] if fields else [("state", got, want)]
+    out = []
+    for field, a, b in pairs:
+        if jax.tree.structure(a) != jax.tree.structure(b):
+            out.append(f"{field} holds {sorted(a) if isinstance(a, dict) else jax.tree.structure(a)} where this "
+                       f"configuration keeps {sorted(b) if isinstance(b, dict) else jax.tree.structure(b)}")
+            continue
+        shapes_a = [tuple(np.shape(x)) for x in jax.tree.leaves(a)]
+        shapes_b = [tuple(x.shape) for x in jax.tree.leaves(b)]
+        if shapes_a != shapes_b:
+            diff = next((x, y) for x, y in zip(shapes_a, shapes_b) if x != y)
+            out.append(f"{field} has shape {diff[0]} where this configuration keeps {diff[1]}")
+    return "; ".join(out) if out else None
+
+
+_ORIGINS = {"BLRState": "nb.BLR", "IVONSVIState": "nb.IVON"}
+
+
+def _article(word):
+    return ("an " if word[:1].upper() in "AEIOU" else "a ") + word
+
+
+def state_origin(s):
+    """Which optimizer made a :class:`GuideState` (by its algorithm state's type), in words."""
+    kind = type(getattr(s, "algorithm", s)).__name__
+    origin = _ORIGINS.get(kind)
+    return f"{origin} ({_article(kind)})" if origin else f"another algorithm ({_article(kind)})"
+
+
+def observation_count(model_trace):
+    """How many observations the model's likelihood sums over: the largest, over its observed sites, of the
+    product of the site's plate sizes (the full sizes of subsampled plates), or of its batch shape without
+    plates, of its leading batch size. ``None`` without observed sites."""
+    counts = []
+    for site in model_trace.values():
+        if site["type"] != "sample" or not site["is_observed"]:
+            continue
+        frames = [f for f in site.get("cond_indep_stack", ()) if f.size is not None]
+        batch = tuple(site["fn"].batch_shape)
+        counts.append(int(np.prod([f.size for f in frames])) if frames else (int(batch[0]) if batch else 1))
+    return max(counts) if counts else None
+
+
 def commit_if_finite(old, new, ok):
     """The ``commit`` of an algorithm whose proposal is its next state: ``new`` if the step was finite, else ``old``."""
     return select(ok, new, old)
@@ -259,12 +358,130 @@ def skipped_report(name, fix):
 
     def report(state, optimizer):
         i, s = state
+        cause = _small_ess(optimizer)
         if not int(s.skipped):
-            return []
+            return [(("ess", int(i)), f"{name}: {cause} The fit may be far off without any step being skipped.")] if cause else []
         return [(("skipped", int(i)), f"{name} skipped {int(s.skipped)} of {int(i)} steps because of a non-finite loss, "
-                 f"gradient or update, for parameter(s) {nonfinite_parameters(state)}; those steps kept the last finite values. {fix}")]
+                 f"gradient or update, for parameter(s) {nonfinite_parameters(state)}; those steps kept the last finite values. "
+                 f"{'The likely cause: ' + cause if cause else fix}")]
 
     return report
+
+
+ESS_FRACTION = 0.1  # an ess below this fraction of the observations is reported as the likely cause
+
+
+def _ess_of(optimizer):
+    """The ``ess`` (sample size) an optimizer was built with, or ``None``: its ``ess`` attribute, else the
+    sample size its algorithm closes over (``nb.IVON``'s algorithm keeps it as ``lam``)."""
+    ess = getattr(optimizer, "ess", None)
+    if ess is None:
+        init = getattr(getattr(optimizer, "algorithm", None), "init", None)
+        code, cells = getattr(init, "__code__", None), getattr(init, "__closure__", None) or ()
+        names = dict(zip(code.co_freevars, cells)) if code is not None else {}
+        if "lam" in names:
+            ess = names["lam"].cell_contents
+    try:
+        return float(ess)
+    except (TypeError, ValueError):
+        return None
+
+
+def _small_ess(optimizer):
+    """The sentence naming ``ess`` as the cause of skipped steps, where it is implausibly small for the data
+    (below ``ESS_FRACTION`` of the observations ``svi.init`` counted: :attr:`GuideOptimizer.data_size`)."""
+    ess, n = _ess_of(optimizer), getattr(optimizer, "data_size", None)
+    if ess is None or not n or ess >= ESS_FRACTION * n:
+        return None
+    return (f"ess={ess:g} is implausibly small: ess is the number of training examples, and the model's likelihood "
+            f"sums over {n} observations. With a sample size that small IVON's per-example units are off by the "
+            f"ratio (its initial scales 1/sqrt(ess*(hess_init+weight_decay)) far wider than the posterior). Pass ess={n}.")
+
+
+def as_optax(algorithm, seed=0):
+    """A row as an ``optax.GradientTransformationExtraArgs``: :func:`numpyro_blr.rules.diagonal.as_optax`
+    (``tx = nb.as_optax(nb.ivon(lr, ess=n_train))``, with ``nb.perturbed`` for the weight draw). An SVI optimizer (``nb.BLR()``, ``nb.IVON(...)``) is
+    refused with what to use instead: it updates a guide's parameters from the loss function itself, which
+    an optax ``update(grads, state, params)`` does not receive."""
+    from numpyro_blr.rules.diagonal import as_optax as row_as_optax
+
+    if isinstance(algorithm, GuideOptimizer):
+        name = algorithm.algorithm.name
+        raise TypeError(
+            f"as_optax takes one of the package's rows (nb.ivon(lr, ess=n_train), nb.vogn, nb.ogn, nb.adam_blr, "
+            f"nb.rmsprop_blr, nb.sgd_blr, nb.lie_additive, ...), not {name}(): {name} is a NumPyro optimizer "
+            "over a guide's parameters that needs the loss function, not only its gradient. Use it as "
+            f"numpyro.infer.SVI(model, guide, {name}(...), Trace_ELBO()) or nb.fit(model, guide, ..., optim={name}(...)); "
+            "for a Flax/Equinox training loop, use nb.as_optax(nb.ivon(lr, ess=n_train))."
+        )
+    return row_as_optax(algorithm, seed)
+
+
+
+
+# -- the checks svi.init and svi.run make for these optimizers ------------------------------------
+_RUN_OPTIONS = ("progress_bar", "stable_update", "forward_mode_differentiation", "init_params")
+
+
+def install_svi_checks():
+    """Wrap ``numpyro.infer.SVI.init`` and ``SVI.run`` (once; called on import) with checks that apply
+    only where they concern this package's optimizers, host side and before the first step:
+
+    * ``svi.init`` with a :class:`GuideOptimizer` checks the data (:meth:`GuideOptimizer.check_data`: NaN or
+      inf in ``y`` or ``X``, numbers of rows that disagree, ``y`` of shape ``(N, 1)`` against a plate of ``N``),
+      where NumPyro would stop with "Cannot find valid initial parameters", "invalid loc parameter" or
+      "Incompatible shapes", or fit meaningless data with a plate warning;
+    * ``svi.run(..., init_state=state)`` with the state of one of these optimizers and another optimizer
+      (``numpyro.optim.Adam``) raises saying what the state is from and what to do (NumPyro's own
+      optimizers fail inside with "too many values to unpack");
+    * ``svi.run(..., init_state=state)`` on a new ``SVI`` object with one of these optimizers first learns
+      the parameters' constraints with ``svi.init`` (NumPyro's ``SVI`` learns them only there, and its
+      loss fails with "'NoneType' object is not callable" without them); the state given is the one continued.
+      On the ``SVI`` object that made the state, the continued run's data are checked as ``svi.init`` checks them.
+
+    Arguments that are tracers (``svi.run`` inside ``jit``, ``nb.fit``'s program) are not checked here:
+    ``nb.fit`` checks its concrete data before entering its program.
+    """
+    from numpyro.infer import svi as numpyro_svi
+
+    cls = numpyro_svi.SVI
+    if getattr(cls.init, "_numpyro_blr_checks", False):
+        return
+    init, run = cls.init, cls.run
+
+    @functools.wraps(init)
+    def checked_init(self, rng_key, *args, init_params=None, **kwargs):
+        if isinstance(self.optim, GuideOptimizer):
+            self.optim.check_data(self.model, args, {**kwargs, **self.static_kwargs})
+        return init(self, rng_key, *args, init_params=init_params, **kwargs)
+
+    @functools.wraps(run)
+    def checked_run(self, rng_key, num_steps, *args, **kwargs):
+        state = kwargs.get("init_state")
+        if state is not None:
+            opt_state = getattr(state, "optim_state", None)
+            inner = opt_state[1] if isinstance(opt_state, tuple) and len(opt_state) == 2 else None
+            ours = isinstance(self.optim, GuideOptimizer)
+            if isinstance(inner, GuideState) and not ours:
+                raise TypeError(
+                    f"svi.run(..., init_state=...) was given the optimizer state of {state_origin(inner)}, but this SVI's "
+                    f"optimizer is {type(self.optim).__name__}: a run continues only with the optimizer that made its "
+                    f"state. Continue with {_ORIGINS.get(type(inner.algorithm).__name__, 'that optimizer')}, or start "
+                    "this one from that run's parameters: svi.run(key, num_steps, *args, init_params=previous_result.params)."
+                )
+            model_kwargs = {k: v for k, v in kwargs.items() if k not in _RUN_OPTIONS + ("init_state",)}
+            if ours and self.constrain_fn is None:  # a new SVI object: learn the constraints (its state is discarded)
+                self.init(rng_key, *args, **model_kwargs)  # the data are checked there
+            elif ours:  # a continued run: its data, which may be new, are checked as svi.init checks them
+                self.optim.check_data(self.model, args, {**model_kwargs, **self.static_kwargs})
+        return run(self, rng_key, num_steps, *args, **kwargs)
+
+    checked_init._numpyro_blr_checks = True
+    checked_run._numpyro_blr_checks = True
+    cls.init, cls.run = checked_init, checked_run
+
+
+install_svi_checks()
 
 
 def nonfinite_parameters(state):

@@ -61,6 +61,12 @@ def check_arguments(where, guide, params, model=None, args=(), kwargs=None):
             f"{where}: the model argument is a guide ({type(model).__name__}) and the guide argument is not: model "
             f"and guide are swapped. The call is {call}."
         )
+    from numpyro_blr.report import check_guide_params  # the guide of another model's parameters
+
+    try:
+        check_guide_params(guide, params, where, args, kwargs)
+    except ValueError as err:
+        raise DiagnosticsError(str(err)) from None
     if not _is_guide_object(guide):  # a guide function: it must not observe data
         try:
             tr = handlers.trace(handlers.substitute(handlers.seed(guide, 0), data=dict(params))).get_trace(
