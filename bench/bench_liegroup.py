@@ -23,54 +23,54 @@ import jax
 import jax.numpy as jnp
 import numpyro.distributions as dist
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
-from digits_ivon import BATCH, init_mlp, load_data, loss_fn  # noqa: E402
+from bench_cost import SIZES, adamw_steps, algorithm_step, parse_sizes, problem, report  # noqa: E402
+from digits_ivon import loss_fn  # noqa: E402
 
 import numpyro_blr as nb  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_ivon import alternating_medians, baseline_steps, print_ratios  # noqa: E402
 
-
-def step_functions():
-    x_tr, _, y_tr, _ = load_data()
-    xb, yb = jnp.asarray(x_tr[:BATCH]), jnp.asarray(y_tr[:BATCH])
-    params = init_mlp(jax.random.key(0))
-    n = len(y_tr)
-    key = jax.random.key(1)
-    fns = baseline_steps(params, xb, yb)
+def step_functions(sizes=None, batch=None, student_t=True, dtype=None):
+    """``(fns, params, label)``: AdamW, gradient + SGD, IVON and the Lie-group rows, one sample per step."""
+    params, xb, yb, n, label = problem(sizes, batch)
+    if dtype is not None:
+        params = jax.tree.map(lambda x: x.astype(dtype), params)
+        xb = xb.astype(dtype)
+        label += f", params {jnp.dtype(dtype).name}"
+    fns = adamw_steps(params, loss_fn, xb, yb)
     rows = {
         "IVON (reference: a diagonal row)": nb.ivon(0.1, ess=n),
         "additive, Normal q0": nb.lie_additive(0.1, momentum=0.9, base=dist.Normal(0.0, 1e-3), weight_decay=1e-4),
         "multiplicative (signed), Rayleigh q0": nb.lie_multiplicative(1.0, ess=n, temperature=1e-3),
         "affine, Normal q0": nb.lie_affine(0.3, ess=n, scale_lr=0.01, weight_decay=1e-4),
-        "affine, StudentT(3) q0 (threefry gamma)": nb.lie_affine(0.3, ess=n, scale_lr=0.01, base=dist.StudentT(3.0)),
     }
+    if student_t:
+        rows["affine, StudentT(3) q0 (threefry gamma)"] = nb.lie_affine(0.3, ess=n, scale_lr=0.01, base=dist.StudentT(3.0))
     for name, algo in rows.items():
-
-        @jax.jit
-        def lie_step(carry, algo=algo):
-            i, state = carry
-            state, _ = algo.step(jax.random.fold_in(key, i), state, loss_fn, xb, yb)
-            return i + 1, state
-
-        fns[name] = (lie_step, (jnp.int32(0), algo.init(params)))
-    return fns
+        fns[name] = (algorithm_step(algo, loss_fn, xb, yb), (jnp.int32(0), algo.init(params)))
+    return fns, params, label
 
 
-def bench_steps(rounds=9):
-    med = alternating_medians(step_functions(), rounds)
-    print_ratios(med, rounds, " (one sample per Lie-group step)", width=42)
-    return med
+def bench_steps(rounds=9, sizes=None, batch=None, steps=300, timing=True, student_t=True, dtype=None):
+    fns, params, label = step_functions(sizes, batch, student_t, dtype)
+    return report(fns, params, label, rounds, steps, timing, width=42, note=" (one sample per Lie-group step)")
 
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--no-digits", action="store_true", help="only the step timings")
+    ap.add_argument("--sizes", type=parse_sizes, default=None, help="MLP widths, e.g. 784,1024,1024,10 (default: digits)")
+    ap.add_argument("--batch", type=int, default=None, help="batch size (default: 64 for digits, 256 otherwise)")
     ap.add_argument("--rounds", type=int, default=9)
+    ap.add_argument("--steps", type=int, default=300, help="steps per timed round")
+    ap.add_argument("--cost-only", action="store_true", help="only XLA's cost analysis, no timing")
+    ap.add_argument("--no-student-t", action="store_true", help="leave out the Student-t q0 row")
+    ap.add_argument("--bf16", action="store_true", help="bfloat16 parameters and inputs (state in float32)")
+    ap.add_argument("--no-digits", action="store_true", help="only the step costs")
     args = ap.parse_args()
-    bench_steps(args.rounds)
-    if not args.no_digits:
+    bench_steps(args.rounds, args.sizes, args.batch, args.steps, not args.cost_only, not args.no_student_t,
+                jnp.bfloat16 if args.bf16 else None)
+    if not args.no_digits and args.sizes in (None, SIZES) and not args.cost_only:
         print()
         from digits_liegroup import cross_validated
 

@@ -120,6 +120,13 @@ def _count(n, name):
     return int(n)
 
 
+def _state_dtype(state_dtype):
+    """``state_dtype`` checked as far as it can be without the parameters (floating, not bfloat16/float16)."""
+    from numpyro_blr.tree import state_dtype as resolve
+
+    return None if state_dtype is None else resolve(None, state_dtype)
+
+
 def _noise_rng(noise_rng):
     if noise_rng not in NOISE_RNG:
         raise ValueError(f"noise_rng must be one of {NOISE_RNG}, got {noise_rng!r}.")
@@ -128,7 +135,7 @@ def _noise_rng(noise_rng):
 
 def ivon(lr, ess=None, hess_init=1.0, beta1=0.9, beta2=0.99999, weight_decay=1e-4, mc_samples=1,
          hess_approx="price", clip_radius=float("inf"), rescale_lr=True, axis_name=None, vmap_samples=True,
-         noise_rng="hash") -> Algorithm:
+         noise_rng="hash", state_dtype=None) -> Algorithm:
     r"""IVON, the improved variational online Newton method (Shen et al. 2024, Algorithm 1).
 
     Diagonal Gaussian :math:`\mathcal N(m, 1/(N(h+\delta)))` x Price estimator with weight noise
@@ -137,8 +144,13 @@ def ivon(lr, ess=None, hess_init=1.0, beta1=0.9, beta2=0.99999, weight_decay=1e-
     the step, clipping at ``clip_radius`` and, with ``rescale_lr``, the learning rate scaled by
     :math:`h_0 + \delta`. The state's ``precision`` is :math:`h + \delta`. ``noise_rng``: ``"hash"``
     (:func:`~numpyro_blr.tree.hash_normal`, several times cheaper on CPU) or ``"jax"``.
+
+    Mixed precision: bfloat16 or float16 parameters (and gradients) are accepted; the state (mean, precision,
+    momentum) is then float32 and the loss sees the weights in the parameters' dtype. ``state_dtype`` overrides the
+    state's dtype (float32 or wider; :func:`~numpyro_blr.tree.state_dtype`).
     """
     ess, hess_init = _ess(ess), check_positive(hess_init, "hess_init")
+    state_dtype = _state_dtype(state_dtype)
     delta = check_positive(weight_decay, "weight_decay", allow_zero=True)
     noise_rng = _noise_rng(noise_rng)
     rule = DiagonalRule(
@@ -147,7 +159,7 @@ def ivon(lr, ess=None, hess_init=1.0, beta1=0.9, beta2=0.99999, weight_decay=1e-
         lr_scale=hess_init + delta if rescale_lr else 1.0,
     )
     estimator = weights.price(ess, _count(mc_samples, "mc_samples"), hess_approx, vmap_samples, noise_rng)
-    return diagonal_algorithm(estimator, rule, hess_init + delta, ess, axis_name, noise_rng)
+    return diagonal_algorithm(estimator, rule, hess_init + delta, ess, axis_name, noise_rng, state_dtype)
 
 
 def vogn(lr, ess=None, weight_decay=1e-4, beta1=0.9, beta2=0.999, hess_init=1.0, mc_samples=1, axis_name=None) -> Algorithm:
@@ -280,11 +292,12 @@ def bayesbinn(lr, ess, temperature=1.0, beta=0.0, mc_samples=1, lam_init=10.0, l
 
 
 def lie_additive(lr, momentum=0.0, base=None, weight_decay=0.0, nesterov=False, mc_samples=1,
-                 noise_rng="hash") -> Algorithm:
+                 noise_rng="hash", state_dtype=None) -> Algorithm:
     r"""The additive Lie-group BLR (Kiral et al. 2023, Algorithm 1): :math:`\theta = w + \xi`, :math:`\xi \sim q_0`
     fixed (``base``, e.g. ``dist.Normal(0, 1e-3)``; ``None``: a Dirac :math:`q_0`), and ``optax.sgd``'s step on
     :math:`w` with the gradient at :math:`\theta` plus ``weight_decay`` :math:`\delta\theta`. With ``base=None``
-    it is ``optax.sgd(lr, momentum, nesterov)`` exactly. ``state.params`` is :math:`w + \mathbb E[\xi]`."""
+    it is ``optax.sgd(lr, momentum, nesterov)`` exactly. ``state.params`` is :math:`w + \mathbb E[\xi]`.
+    bfloat16/float16 parameters keep a float32 state (``state_dtype``, as in :func:`ivon`); so do the other groups."""
     from numpyro_blr.estimators import liegroup as est
     from numpyro_blr.rules import liegroup as lie
 
@@ -292,13 +305,13 @@ def lie_additive(lr, momentum=0.0, base=None, weight_decay=0.0, nesterov=False, 
     rule = lie.AdditiveRule(_lr(lr), check_fraction(momentum, "momentum"), bool(nesterov))
     delta = check_positive(weight_decay, "weight_decay", allow_zero=True)
     estimator = est.additive(base, delta, _count(mc_samples, "mc_samples"), _noise_rng(noise_rng))
-    mu = lie.base_mean(base)
-    return lie.liegroup_algorithm("additive", estimator, rule, lambda params: lie.init_additive(params, mu))
+    mu, sd = lie.base_mean(base), _state_dtype(state_dtype)
+    return lie.liegroup_algorithm("additive", estimator, rule, lambda params: lie.init_additive(params, mu, sd))
 
 
 def lie_multiplicative(lr, ess=None, base=None, momentum=0.9, temperature=1.0, weight_decay=0.0, signed=True,
                        metric="fisher", init_offset=1e-5, clip_radius=float("inf"), mc_samples=1,
-                       noise_rng="hash") -> Algorithm:
+                       noise_rng="hash", state_dtype=None) -> Algorithm:
     r"""The multiplicative Lie-group BLR (Kiral et al. 2023, Algorithm 2): :math:`\theta = g_+\xi_+ - g_-\xi_-`
     (``signed``, each weight excitatory or inhibitory; ``signed=False``: :math:`g\xi`, positive weights only),
     :math:`\xi \sim q_0` positive (``base``, default :class:`~numpyro_blr.rules.liegroup.Rayleigh` (1)), and
@@ -323,16 +336,17 @@ def lie_multiplicative(lr, ess=None, base=None, momentum=0.9, temperature=1.0, w
         check_positive(weight_decay, "weight_decay", allow_zero=True), _count(mc_samples, "mc_samples"),
         bool(signed), _noise_rng(noise_rng),
     )
-    mu = lie.base_mean(base)
+    mu, sd = lie.base_mean(base), _state_dtype(state_dtype)
     init_offset = check_positive(init_offset, "init_offset")
     return lie.liegroup_algorithm(
-        "multiplicative", estimator, rule, lambda params: lie.init_multiplicative(params, mu, bool(signed), init_offset)
+        "multiplicative", estimator, rule,
+        lambda params: lie.init_multiplicative(params, mu, bool(signed), init_offset, sd),
     )
 
 
 def lie_affine(lr, ess=None, scale_lr=None, base=None, scale_init=None, momentum=0.9, scale_momentum=0.999,
                temperature=1.0, weight_decay=0.0, metric="fisher", clip_radius=float("inf"), mc_samples=1,
-               noise_rng="hash") -> Algorithm:
+               noise_rng="hash", state_dtype=None) -> Algorithm:
     r"""The diagonal affine Lie-group BLR (Kiral et al. 2023, Algorithm 3): :math:`\theta = b + A\epsilon`,
     :math:`\epsilon \sim q_0` (``base``, default ``dist.Normal(0, 1)``; any reparameterisable univariate
     distribution: ``dist.StudentT(3.0)``, ``dist.Laplace()``, ...), and the closed-form exponential map
@@ -368,4 +382,5 @@ def lie_affine(lr, ess=None, scale_lr=None, base=None, scale_init=None, momentum
     if isinstance(scale_init, (int, float)) and not isinstance(scale_init, bool):
         if not (math.isfinite(float(scale_init)) and float(scale_init) > 0):
             raise ValueError(f"lie_affine: scale_init must be strictly positive and finite, got {scale_init!r}.")
-    return lie.liegroup_algorithm("affine", estimator, rule, lambda params: lie.init_affine(params, scale_init, mu))
+    sd = _state_dtype(state_dtype)
+    return lie.liegroup_algorithm("affine", estimator, rule, lambda params: lie.init_affine(params, scale_init, mu, sd))

@@ -51,6 +51,11 @@ class FlatLayout(NamedTuple):
         flat = [jnp.reshape(jnp.asarray(x, self.dtype), (m, -1)) for x in leaves]
         return flat[0] if len(flat) == 1 else jnp.concatenate(flat, axis=1)
 
+    def to_params(self, flat):
+        """:meth:`unravel` with every leaf cast to the parameters' dtype: the weights a loss is evaluated at when the
+        state is kept in a wider dtype than the parameters (mixed precision, :func:`state_dtype`)."""
+        return jax.tree.map(lambda x: x.astype(self.dtype), self.unravel(flat))
+
     def unravel(self, flat):
         """The pytree from a flat vector (trailing axis of ``flat``; leading axes are kept)."""
         lead = flat.shape[:-1]
@@ -69,6 +74,40 @@ class FlatLayout(NamedTuple):
     def tree_unflatten(cls, aux, children):
         del children
         return cls(*aux)
+
+
+LOW_PRECISION = ("bfloat16", "float16")
+
+
+def state_dtype(param_dtype, requested=None):
+    """The dtype of an optimizer's state (mean, precision, momenta) for parameters of ``param_dtype``.
+
+    Mixed precision: bfloat16 or float16 parameters (and their gradients) get a float32 state, because a precision
+    or a momentum in 8 or 11 bits of mantissa loses the small steps of training (``1 - beta2 = 1e-5`` is below
+    bfloat16's resolution of 1). Other parameters keep their dtype. ``requested`` (the rows' ``state_dtype=``)
+    overrides: a floating dtype at least as wide as the parameters and never bfloat16 or float16; anything else is a
+    ``ValueError`` naming ``state_dtype``."""
+    param_dtype = None if param_dtype is None else jnp.dtype(param_dtype)
+    if requested is None:
+        return jnp.dtype(jnp.float32) if param_dtype is None or param_dtype.name in LOW_PRECISION else param_dtype
+    try:
+        want = jnp.dtype(requested)
+    except TypeError as err:
+        raise ValueError(f"state_dtype must be a floating dtype such as jnp.float32, got {requested!r}.") from err
+    if not jnp.issubdtype(want, jnp.floating):
+        raise ValueError(f"state_dtype must be a floating dtype such as jnp.float32, got {want.name}.")
+    if want.name in LOW_PRECISION:
+        raise ValueError(
+            f"state_dtype={want.name}" + ("" if param_dtype is None else f" with {param_dtype.name} parameters") + ": the state (mean, precision, momentum) must be "
+            "float32 or wider; low-precision parameters and gradients are fine, a low-precision state loses the "
+            "optimizer's small updates. Pass state_dtype=jnp.float32 (the default for bfloat16/float16 parameters)."
+        )
+    if param_dtype is not None and jnp.finfo(want).bits < jnp.finfo(param_dtype).bits:
+        raise ValueError(
+            f"state_dtype={want.name} is narrower than the {param_dtype.name} parameters: the state holds the mean "
+            f"(the master weights); pass state_dtype={param_dtype.name} or wider, or None."
+        )
+    return want
 
 
 def stack_samples(samples, like, what):

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpyro.distributions as dist
 
 from numpyro_blr.estimators import Estimate
-from numpyro_blr.estimators.weights import _monte_carlo
+from numpyro_blr.estimators.weights import _monte_carlo, unravel_materialised
 from numpyro_blr.rules.liegroup import AffineGrad, MultiplicativeGrad, Rayleigh
 from numpyro_blr.tree import standard_normal, uniform
 
@@ -62,7 +62,7 @@ def draw_base(base, key, n, dtype=jnp.float32, rng="hash"):
 
 
 def _grad_at(loss_fn, layout, theta, args, weight_decay):
-    loss, g = jax.value_and_grad(loss_fn)(layout.unravel(theta), *args)
+    loss, g = jax.value_and_grad(loss_fn)(unravel_materialised(layout, theta), *args)
     g = layout.ravel(g)
     return loss, (g + weight_decay * theta if weight_decay else g)
 

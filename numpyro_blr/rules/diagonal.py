@@ -67,8 +67,8 @@ class DiagonalState(NamedTuple):
 
     @property
     def params(self):
-        """The mean as the weights' pytree."""
-        return self.layout.unravel(self.mean)
+        """The mean as the weights' pytree (in the parameters' dtype: bfloat16 parameters keep a float32 state)."""
+        return self.layout.to_params(self.mean)
 
     def tree(self, flat):
         """Any flat vector of the state (``precision``, ``momentum``) as the weights' pytree."""
@@ -95,13 +95,18 @@ class DiagonalRule(NamedTuple):
     nesterov: bool = False
 
 
-def init_diagonal(params, precision_init):
-    """A fresh :class:`DiagonalState`: ``mean = params`` (flattened), ``precision = precision_init``, zero momentum."""
+def init_diagonal(params, precision_init, state_dtype=None):
+    """A fresh :class:`DiagonalState`: ``mean = params`` (flattened), ``precision = precision_init``, zero momentum.
+
+    The state is kept in :func:`numpyro_blr.tree.state_dtype` (``state_dtype``; default float32 for bfloat16 or
+    float16 parameters, the parameters' dtype otherwise): the loss then sees the weights in the parameters' dtype
+    and its gradients may be low precision, while the mean, precision and momentum are updated in float32."""
     from numpyro_blr.core import check_params
+    from numpyro_blr.tree import state_dtype as _state_dtype
 
     check_params(params)
     layout = FlatLayout.of(params)
-    mean = layout.ravel(jax.tree.map(jnp.asarray, params))
+    mean = layout.ravel(jax.tree.map(jnp.asarray, params)).astype(_state_dtype(layout.dtype, state_dtype))
     zero = jnp.zeros((), jnp.int32)
     return DiagonalState(mean, jnp.full_like(mean, precision_init), jnp.zeros_like(mean), zero, zero, layout)
 
@@ -138,10 +143,12 @@ def diagonal_update(rule: DiagonalRule, state: DiagonalState, grad, hessian=None
         step = direction / p_new
     if rule.clip_radius != float("inf"):
         step = jnp.clip(step, -rule.clip_radius, rule.clip_radius)
-    m_new = (m - alpha * rule.lr_scale * step).astype(dt)
-    # one reduction: x * 0 is 0 for finite x and NaN for +-inf/NaN, so the sum is finite iff every entry is;
-    # a non-finite grad or hessian makes mom_new or p_new non-finite (m, p, mom are finite)
-    ok = jnp.isfinite(jnp.sum(m_new * 0 + p_new * 0 + mom_new * 0))
+    # x - x is 0 for finite x and NaN for +-inf/NaN: added to the new mean (in the fusion that computes it from
+    # p_new and mom_new anyway), it makes the mean non-finite iff any of the three is, and leaves it unchanged
+    # otherwise; the skip then needs one reduction over one vector (a non-finite grad or hessian makes mom_new or
+    # p_new non-finite; m, p, mom are finite)
+    m_new = (m - alpha * rule.lr_scale * step + ((p_new - p_new) + (mom_new - mom_new))).astype(dt)
+    ok = jnp.isfinite(jnp.sum(m_new - m_new))
     new = DiagonalState(
         jnp.where(ok, m_new, m),
         jnp.where(ok, p_new, p),
@@ -153,7 +160,8 @@ def diagonal_update(rule: DiagonalRule, state: DiagonalState, grad, hessian=None
     return new, StepInfo(loss, ~ok)
 
 
-def diagonal_algorithm(estimator, rule: DiagonalRule, precision_init, ess=None, axis_name=None, noise_rng="jax"):
+def diagonal_algorithm(estimator, rule: DiagonalRule, precision_init, ess=None, axis_name=None, noise_rng="jax",
+                       state_dtype=None):
     r"""A diagonal row as an :class:`~numpyro_blr.core.Algorithm`: ``step`` = ``estimator`` then
     :func:`diagonal_update`.
 
@@ -161,14 +169,14 @@ def diagonal_algorithm(estimator, rule: DiagonalRule, precision_init, ess=None, 
     ``precision_init`` the initial per-example precision :math:`p_0`; ``ess`` :math:`N` for ``sample``
     (None: :math:`q` is a point mass at the mean, ``sample`` returns the mean). With ``axis_name``
     (inside ``shard_map``/``pmap``), each device folds its index into the key and the estimate is
-    ``lax.pmean``-ed over that axis: one reduction per step.
+    ``lax.pmean``-ed over that axis: one reduction per step. ``state_dtype``: :func:`init_diagonal`.
     """
     from jax import lax
 
     from numpyro_blr.tree import standard_normal
 
     def init(params):
-        return init_diagonal(params, precision_init)
+        return init_diagonal(params, precision_init, state_dtype)
 
     def update(state, estimate):
         return diagonal_update(rule, state, estimate.grad, estimate.hessian, estimate.loss)
@@ -185,15 +193,15 @@ def diagonal_algorithm(estimator, rule: DiagonalRule, precision_init, ess=None, 
         """``n`` draws of the weights (pytree, leading axis ``n``); draw ``s`` uses ``jax.random.split(key, n)[s]``."""
         m = state.mean
         if ess is None:
-            return state.layout.unravel(jnp.broadcast_to(m, (n,) + m.shape))
+            return state.layout.to_params(jnp.broadcast_to(m, (n,) + m.shape))
         scale = jax.lax.rsqrt(ess * state.precision).astype(m.dtype)
         keys = jax.random.split(key, n)
         eps = jax.vmap(lambda k: standard_normal(k, m.shape[0], m.dtype, noise_rng))(keys)
-        return state.layout.unravel(m + eps * scale)
+        return state.layout.to_params(m + eps * scale)
 
     from numpyro_blr.core import Algorithm
 
-    parts = DiagonalParts(estimator, rule, precision_init, ess, noise_rng, axis_name)
+    parts = DiagonalParts(estimator, rule, precision_init, ess, noise_rng, axis_name, state_dtype)
     return Algorithm(init=init, step=step, sample=sample, update=update, parts=parts)
 
 
@@ -206,6 +214,7 @@ class DiagonalParts(NamedTuple):
     ess: Optional[float]
     noise_rng: str
     axis_name: Optional[str] = None  # the mapped axis (shard_map/pmap) over which each device draws its own sample
+    state_dtype: Any = None  # the state's dtype (None: float32 for bfloat16/float16 parameters, else theirs)
 
 
 class TransformState(NamedTuple):
@@ -241,7 +250,8 @@ def perturbed(algorithm, params, opt_state):
     noise = _noise(algorithm.parts, opt_state)
     if noise is None:
         return params
-    return opt_state.layout.unravel(opt_state.layout.ravel(params) + noise)
+    layout = opt_state.layout
+    return layout.to_params(layout.ravel(params).astype(noise.dtype) + noise)
 
 
 def as_optax(algorithm, seed=0):
@@ -281,7 +291,7 @@ def as_optax(algorithm, seed=0):
         )
 
     def init(params):
-        state = init_diagonal(params, parts.precision_init)
+        state = init_diagonal(params, parts.precision_init, parts.state_dtype)
         key = jax.random.key(seed)
         return TransformState(state.precision, state.momentum, state.count, state.skipped, key, state.layout)
 
@@ -289,7 +299,7 @@ def as_optax(algorithm, seed=0):
         if params is None:
             raise ValueError("the BLR's optax view needs params (the mean): call tx.update(grads, opt_state, params).")
         layout = opt_state.layout
-        mean = layout.ravel(params)
+        mean = layout.ravel(params).astype(opt_state.precision.dtype)
         state = DiagonalState(mean, opt_state.precision, opt_state.momentum, opt_state.count, opt_state.skipped, layout)
         estimate = parts.estimator.from_grads(state, layout.ravel(grads), _noise(parts, opt_state), **extra)
         if parts.axis_name is not None:  # one reduction: the devices' gradient and curvature statistics averaged
@@ -297,6 +307,6 @@ def as_optax(algorithm, seed=0):
         new, _ = diagonal_update(parts.rule, state, estimate.grad, estimate.hessian, estimate.loss)
         key, _ = jax.random.split(opt_state.key)
         new_opt_state = TransformState(new.precision, new.momentum, new.count, new.skipped, key, layout)
-        return layout.unravel(new.mean - mean), new_opt_state
+        return layout.to_params(new.mean - mean), new_opt_state
 
     return optax.GradientTransformationExtraArgs(init, update)

@@ -399,7 +399,7 @@ class AdditiveState(NamedTuple):
     @property
     def params(self):
         """The point estimate :math:`\\mathbb E_q[\\theta] = w + \\mathbb E[\\xi]` as the weights' pytree."""
-        return self.layout.unravel(self.loc + self.base_mean)
+        return self.layout.to_params(self.loc + self.base_mean)
 
     def tree(self, flat):
         return self.layout.unravel(flat)
@@ -426,7 +426,7 @@ class MultiplicativeState(NamedTuple):
         r"""The point estimate :math:`\mathbb E_q[\theta] = \mathbb E[\xi](g_+ - g_-)` as the weights' pytree."""
         n = self.layout.size
         g = self.scale[:n] - self.scale[n:] if self.signed else self.scale
-        return self.layout.unravel(self.base_mean * g)
+        return self.layout.to_params(self.base_mean * g)
 
     def tree(self, flat):
         return self.layout.unravel(flat)
@@ -448,7 +448,7 @@ class AffineState(NamedTuple):
     @property
     def params(self):
         """The point estimate :math:`\\mathbb E_q[\\theta] = b + A\\,\\mathbb E[\\epsilon]` as the weights' pytree."""
-        return self.layout.unravel(self.loc + self.scale * self.base_mean)
+        return self.layout.to_params(self.loc + self.scale * self.base_mean)
 
     def tree(self, flat):
         return self.layout.unravel(flat)
@@ -484,28 +484,36 @@ def _leaf_values(tree, like, what):
     return layout.ravel(jax.tree.map(lambda s, p: jnp.broadcast_to(jnp.asarray(s, layout.dtype), jnp.shape(p)), tree, like))
 
 
-def init_additive(params, base_mean_value=0.0):
-    """A fresh :class:`AdditiveState` with :math:`\\mathbb E_q[\\theta]` = ``params``."""
-    check_params(params)
+def _flat_state(params, state_dtype):
+    """``(layout, flat params)`` in the state's dtype (:func:`numpyro_blr.tree.state_dtype`: float32 for bfloat16 or
+    float16 parameters unless ``state_dtype`` says otherwise)."""
+    from numpyro_blr.tree import state_dtype as _state_dtype
+
     layout = FlatLayout.of(params)
-    mean = layout.ravel(jax.tree.map(jnp.asarray, params))
+    return layout, layout.ravel(jax.tree.map(jnp.asarray, params)).astype(_state_dtype(layout.dtype, state_dtype))
+
+
+def init_additive(params, base_mean_value=0.0, state_dtype=None):
+    """A fresh :class:`AdditiveState` with :math:`\\mathbb E_q[\\theta]` = ``params`` (state in ``state_dtype``:
+    :func:`numpyro_blr.tree.state_dtype`; the same for every ``init_*``)."""
+    check_params(params)
+    layout, mean = _flat_state(params, state_dtype)
     mu = jnp.asarray(base_mean_value, mean.dtype)
     return AdditiveState(mean - mu, jnp.zeros_like(mean), _zero(), _zero(), mu, layout)
 
 
-def init_affine(params, scale_init, base_mean_value=0.0):
+def init_affine(params, scale_init, base_mean_value=0.0, state_dtype=None):
     """A fresh :class:`AffineState`: ``scale`` :math:`A_0` = ``scale_init`` (a number or a pytree like ``params``,
     strictly positive, checked per leaf) and :math:`b` such that :math:`\\mathbb E_q[\\theta]` = ``params``."""
     check_params(params)
-    layout = FlatLayout.of(params)
-    mean = layout.ravel(jax.tree.map(jnp.asarray, params))
+    layout, mean = _flat_state(params, state_dtype)
     scale = _leaf_values(scale_init, params, "scale_init").astype(mean.dtype)
     mu = jnp.asarray(base_mean_value, mean.dtype)
     zeros = jnp.zeros_like(mean)
     return AffineState(mean - scale * mu, scale, zeros, zeros, _zero(), _zero(), mu, layout)
 
 
-def init_multiplicative(params, base_mean_value, signed, init_offset=1e-5):
+def init_multiplicative(params, base_mean_value, signed, init_offset=1e-5, state_dtype=None):
     r"""A fresh :class:`MultiplicativeState` with :math:`\mathbb E_q[\theta]` = ``params``.
 
     Signed: :math:`g_\pm = \max(\pm w, 0)/\mathbb E[\xi] + o` (``init_offset`` :math:`o` > 0, which cancels in the
@@ -523,8 +531,7 @@ def init_multiplicative(params, base_mean_value, signed, init_offset=1e-5):
                     "multiplicative group theta = g * xi keeps weights positive, so a real-valued leaf needs the signed "
                     "form theta = g+ xi+ - g- xi- (signed=True), or the additive or affine group."
                 )
-    layout = FlatLayout.of(params)
-    w = layout.ravel(jax.tree.map(jnp.asarray, params))
+    layout, w = _flat_state(params, state_dtype)
     mu = jnp.asarray(base_mean_value, w.dtype)
     if signed:
         scale = jnp.concatenate([jnp.maximum(w, 0), jnp.maximum(-w, 0)]) / mu + init_offset
@@ -537,8 +544,13 @@ def init_multiplicative(params, base_mean_value, signed, init_offset=1e-5):
 
 
 def _finite(*arrays):
-    # one fused reduction over arrays of one shape: x * 0 is 0 for finite x and NaN otherwise
-    return jnp.isfinite(jnp.sum(sum(a * 0 for a in arrays)))
+    # one fused reduction over arrays of one shape: x - x is 0 for finite x and NaN for +-inf and NaN. (Not x * 0:
+    # on CPU the reduction goes to XNNPACK, which took the broadcast 0 as a materialised array, one more write and
+    # read of the parameters' size.)
+    total = arrays[0] - arrays[0]
+    for a in arrays[1:]:
+        total = total + (a - a)
+    return jnp.isfinite(jnp.sum(total))
 
 
 def _counted(ok, state):
@@ -557,8 +569,8 @@ def additive_update(rule: AdditiveRule, state: AdditiveState, grad, loss=jnp.nan
 def multiplicative_update(rule: MultiplicativeRule, state: MultiplicativeState, grad: MultiplicativeGrad, loss=jnp.nan):
     """One multiplicative step from the algebra gradient; ``(state, StepInfo)``."""
     z, mom = multiplicative_factor(rule, state.momentum, grad.scale, state.count)
-    raw = state.scale * jnp.exp(-z)
-    ok = _finite(raw, mom)
+    raw = state.scale * jnp.exp(-z) + (mom - mom)  # non-finite iff either is (x - x: 0 or NaN): one vector to check
+    ok = _finite(raw)
     scale, mom = select(ok, (clamp_scale(raw), mom), (state.scale, state.momentum))
     count, skipped = _counted(ok, state)
     return state._replace(scale=scale, momentum=mom, count=count, skipped=skipped), StepInfo(loss, ~ok)
@@ -568,9 +580,11 @@ def affine_update(rule: AffineRule, state: AffineState, grad: AffineGrad, loss=j
     """One affine step from the algebra gradient; ``(state, StepInfo)``."""
     z, shift, m_loc, m_scale, decay = affine_direction(rule, state.scale, state.loc_momentum, state.scale_momentum, grad,
                                                        state.count, with_decay=True)
-    loc = state.loc + shift
+    # a non-finite m_loc makes the shift, hence loc, non-finite (A phi(z) > 0); + (m_scale - m_scale) (0 or NaN)
+    # makes loc non-finite iff m_scale is too, so that the skip checks one vector
+    loc = state.loc + shift + (m_scale - m_scale)
     scale = clamp_scale(state.scale + state.scale * decay)  # A e^{-z} = A + A expm1(-z): one transcendental
-    ok = _finite(loc, m_scale)  # a non-finite m_loc makes the shift, hence loc, non-finite (A phi(z) > 0)
+    ok = _finite(loc)
     old = (state.loc, state.scale, state.loc_momentum, state.scale_momentum)
     loc, scale, m_loc, m_scale = select(ok, (loc, scale, m_loc, m_scale), old)
     count, skipped = _counted(ok, state)
@@ -620,7 +634,7 @@ def liegroup_algorithm(group, estimator, rule, init):
     def sample(key, state, n):
         """``n`` draws of the weights (pytree, leading axis ``n``); draw ``s`` uses ``jax.random.split(key, n)[s]``."""
         thetas = jax.vmap(lambda k: estimator.draw(k, state)[0])(jax.random.split(key, n))
-        return state.layout.unravel(thetas)
+        return state.layout.to_params(thetas)
 
     return Algorithm(init=init, step=step, sample=sample, update=update, parts=LieParts(group, estimator, rule, init))
 
@@ -637,7 +651,7 @@ def _with_params(parts, state, params):
     """The row's state with its location read from the caller's ``params`` (additive, affine)."""
     if params is None or parts.group == "multiplicative":
         return state
-    mean = state.layout.ravel(params)
+    mean = state.layout.ravel(params).astype(state.loc.dtype)
     if parts.group == "additive":
         return state._replace(loc=mean - state.base_mean)
     return state._replace(loc=mean - state.scale * state.base_mean)
@@ -650,7 +664,7 @@ def lie_perturbed(parts, params, opt_state):
     follow its point estimate)."""
     state = _with_params(parts, opt_state.state, params)
     theta, _ = parts.estimator.draw(opt_state.key, state)
-    return state.layout.unravel(theta)
+    return state.layout.to_params(theta)
 
 
 def lie_as_optax(parts, seed=0):
@@ -679,8 +693,8 @@ def lie_as_optax(parts, seed=0):
         elif parts.group == "affine":
             delta = (new.loc - state.loc) + (new.scale - state.scale) * state.base_mean
         else:
-            delta = layout.ravel(new.params) - layout.ravel(params)
+            delta = layout.ravel(new.params).astype(new.scale.dtype) - layout.ravel(params).astype(new.scale.dtype)
         key, _ = jax.random.split(opt_state.key)
-        return layout.unravel(delta), LieTransformState(new, key)
+        return layout.to_params(delta), LieTransformState(new, key)
 
     return optax.GradientTransformationExtraArgs(init, update)

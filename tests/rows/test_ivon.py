@@ -260,6 +260,9 @@ def test_nonfinite_step_is_skipped():
         (dict(lr=0.1, ess=10.0, mc_samples=0), "mc_samples"),
         (dict(lr=0.1, ess=10.0, hess_approx="fisher"), "hess_approx"),
         (dict(lr=0.1, ess=10.0, clip_radius=0.0), "clip_radius"),
+        (dict(lr=0.1, ess=10.0, state_dtype=jnp.float16), "state_dtype=float16"),
+        (dict(lr=0.1, ess=10.0, state_dtype=jnp.bfloat16), "state_dtype=bfloat16"),
+        (dict(lr=0.1, ess=10.0, state_dtype=jnp.int32), "state_dtype"),
     ],
 )
 def test_bad_hyperparameters(kwargs, match):
@@ -388,3 +391,87 @@ def test_ivon_state_stores_flat_vectors_and_gives_back_the_pytrees():
 
     final, losses = jax.lax.scan(body, state, jax.random.split(jax.random.key(0), 5))
     assert int(final.count) == 5 and losses.shape == (5,) and "DiagonalState" in repr(final)
+
+
+def test_low_precision_state_and_batch_errors_name_the_argument():
+    from numpyro_blr import bsam, vogn
+    from numpyro_blr.rules.diagonal import init_diagonal
+
+    bf16 = {"w": jnp.ones((2, 3), jnp.bfloat16)}
+    with pytest.raises(ValueError, match="state_dtype=float16 with bfloat16 parameters"):
+        init_diagonal(bf16, 1.0, jnp.float16)
+    with pytest.raises(ValueError, match="state_dtype=bfloat16 is narrower|state_dtype=bfloat16"):
+        init_diagonal({"w": jnp.ones(3)}, 1.0, jnp.bfloat16)
+    # a per-example batch whose arrays disagree on the example axis: named, with the shapes
+    params = {"w": jnp.zeros(3)}
+    opt = vogn(0.1, ess=10.0)
+    per_example = lambda p, x, y: (x @ p["w"] - y) ** 2  # noqa: E731
+    with pytest.raises(ValueError, match=r"batch arrays disagree.*0: \(5, 3\), 1: \(4,\)"):
+        opt.step(jax.random.key(0), opt.init(params), per_example, jnp.ones((5, 3)), jnp.ones(4))
+    with pytest.raises(ValueError, match="batch array 1 is a scalar"):
+        opt.step(jax.random.key(0), opt.init(params), per_example, jnp.ones((5, 3)), 1.0)
+    # bSAM's msharpness groups split the batch: it must divide the leading axis
+    b = bsam(0.1, ess=10.0, msharpness=3)
+    with pytest.raises(ValueError, match="msharpness=3"):
+        b.step(jax.random.key(0), b.init(params), lambda p, x: jnp.mean(x @ p["w"]), jnp.ones((4, 3)))
+
+
+def _smooth_problem(dtype):
+    r"""A tanh network with a squared loss (smooth: no ReLU kinks whose flips would not be a precision effect), and the
+    condition number of its residual :math:`\kappa = \sum_i(\sum_j|h_{ij}w_j| + |y_i|)/\sum_i|h_i^\top w - y_i|`
+    at the start, by which rounding errors in the loss's terms are amplified in the gradient."""
+    rng = np.random.default_rng(0)
+    params = {"w1": 0.5 * rng.standard_normal((6, 8)), "b1": np.zeros(8), "w2": 0.5 * rng.standard_normal((8, 1))}
+    x, y = rng.standard_normal((32, 6)), rng.standard_normal((32, 1))
+    h = np.tanh(x @ params["w1"] + params["b1"])
+    kappa = np.sum(np.abs(h) @ np.abs(params["w2"]) + np.abs(y)) / np.sum(np.abs(h @ params["w2"] - y))
+    cast = lambda t: jax.tree.map(lambda a: jnp.asarray(a, dtype), t)  # noqa: E731
+
+    def loss(p, x, y):
+        h = jnp.tanh(x @ p["w1"] + p["b1"])
+        return jnp.mean((h @ p["w2"] - y) ** 2)
+
+    return cast(params), cast(x), cast(y), loss, float(kappa)
+
+
+def agree_in_bf16(algo, arrays, steps=10):
+    r"""Run ``algo`` ``steps`` steps from float32 and from bfloat16 parameters and inputs (same keys) and check that
+    the bfloat16 run keeps a float32 state whose ``arrays(state)`` (location and scale arrays) agree with the float32
+    run's within bfloat16's precision.
+
+    Tolerance: with unit roundoff :math:`u = 2^{-9}`, the bfloat16 forward and backward pass (weights and inputs
+    rounded, dot products of length 6-8, a tanh) gives gradients whose error is a few :math:`u` of the loss's terms,
+    that is :math:`\le 8u\kappa` of the gradient (:math:`\kappa`: the residual's condition number, computed by
+    :func:`_smooth_problem`); so each step's displacement of the state is off by at most :math:`8u\kappa` of itself
+    and the final state by :math:`8u\kappa` times the float32 run's path length :math:`\sum_t\|\Delta_t\|`
+    (Euclidean norms per array). A bfloat16 state instead loses every step smaller than :math:`u` of a weight
+    (IVON's precision steps of :math:`1 - \beta_2 = 10^{-5}` entirely), and the dtype assertion fails first."""
+    runs = {}
+    for dt in (jnp.float32, jnp.bfloat16):
+        params, x, y, loss, kappa = _smooth_problem(dt)
+        state = algo.init(params)
+        step = jax.jit(lambda k, s: algo.step(k, s, loss, x, y))
+        path = [arrays(state)]
+        for i in range(steps):
+            state, info = step(jax.random.key(i), state)
+            assert not bool(info.skipped)
+            path.append(arrays(state))
+        runs[dt] = (state, path)
+    state16, path16 = runs[jnp.bfloat16]
+    for leaf in jax.tree.leaves(state16):
+        if jnp.issubdtype(leaf.dtype, jnp.floating) and leaf.size > 1:
+            assert leaf.dtype == jnp.float32, "the bfloat16 run's state must be float32"
+    assert all(leaf.dtype == jnp.bfloat16 for leaf in jax.tree.leaves(state16.params))
+    _, path32 = runs[jnp.float32]
+    u = 2.0**-9
+    for k in range(len(path32[0])):
+        ref = [np.asarray(p[k], np.float64) for p in path32]
+        length = sum(np.linalg.norm(b - a) for a, b in zip(ref[:-1], ref[1:]))
+        assert length > 0
+        err = np.linalg.norm(np.asarray(path16[-1][k], np.float64) - ref[-1])
+        assert err <= 8 * u * kappa * length, (k, err, 8 * u * kappa * length)
+
+
+def test_bf16_params_float32_state_agree_with_float32():
+    algo = ivon(0.05, ess=200.0, hess_init=0.5, weight_decay=1e-3)
+    agree_in_bf16(algo, lambda s: (s.mean, s.precision))
