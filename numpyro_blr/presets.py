@@ -87,12 +87,17 @@ def laplace(**kwargs):
     return newton(**kwargs)
 
 
-def von(lr=0.1, momentum=0.0, **kwargs):
+def von(lr=None, momentum=0.0, **kwargs):
     r"""Variational online Newton (Khan et al. 2018; Khan & Rue 2023, eq. 12).
 
     :math:`S \leftarrow (1-\rho)S + \rho\,\hat H`, :math:`m \leftarrow m - \rho S^{-1}\hat g` with
     :math:`\hat g, \hat H` from one sample of the guide (Price's theorem), and the improved-BLR
     correction that keeps :math:`S` positive definite: ``nb.BLR(lr, hessian="reparam")``.
+
+    ``lr=None`` (default) is ``nb.BLR()``'s step size: :math:`\rho` decays once the steps are noise
+    and the Gaussian blocks are iterate-averaged (``docs/robustness.md``). A constant ``lr`` is the
+    classic VON; its last iterate keeps the single-sample noise (on the robustness cases ``lr=0.1``
+    ended 2-8 nats below the optimum after 1,000 steps, and 1,867 on unstandardised breast cancer).
     """
     return BLR(lr, hessian="reparam", delta=False, momentum=momentum, **kwargs)
 
