@@ -372,15 +372,8 @@ ESS_FRACTION = 0.1  # an ess below this fraction of the observations is reported
 
 
 def _ess_of(optimizer):
-    """The ``ess`` (sample size) an optimizer was built with, or ``None``: its ``ess`` attribute, else the
-    sample size its algorithm closes over (``nb.IVON``'s algorithm keeps it as ``lam``)."""
+    """The ``ess`` (sample size) an optimizer was built with (``nb.IVON``'s ``ess`` attribute), or ``None``."""
     ess = getattr(optimizer, "ess", None)
-    if ess is None:
-        init = getattr(getattr(optimizer, "algorithm", None), "init", None)
-        code, cells = getattr(init, "__code__", None), getattr(init, "__closure__", None) or ()
-        names = dict(zip(code.co_freevars, cells)) if code is not None else {}
-        if "lam" in names:
-            ess = names["lam"].cell_contents
     try:
         return float(ess)
     except (TypeError, ValueError):

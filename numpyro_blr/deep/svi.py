@@ -155,3 +155,4 @@ class IVON(GuideOptimizer):
                  guide=None, prefix=None):
         algorithm = ivon_guide_algorithm(lr, ess, hess_init, beta1, beta2, weight_decay, clip_radius, rescale_lr)
         super().__init__(algorithm, fallback=fallback, guide=guide, prefix=prefix)
+        self.ess = ess  # read by the end-of-run report (an ess far below the data's size is named there)
