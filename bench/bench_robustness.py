@@ -35,7 +35,18 @@ Matched:
 'silent failures' lists the runs that ended badly (a non-finite loss or params, or not matched)
 with no Python warning raised during the run.
 
-Run: python bench/bench_robustness.py [--quick] [--cases a,b] [--steps N] [--float32]
+``--rows`` picks the entry points (comma-separated; default ``blr``, the table above):
+
+  blr       the table above;
+  liegroup  nb.LieGroupGuide(model) + nb.LieGroupBLR(), both with their defaults (affine group, Gaussian q0;
+            positive sites lognormal), for --steps steps on every selected case whose guide can be built. Columns:
+            gap = best mean-field Gaussian ELBO (nb.BLR() + AutoNormal after --steps, and ELBO* unless --no-opt)
+            minus the Lie-group fit's ELBO (2000 particles, the same random numbers); pos/NUTS = median of each
+            positive site under the fit divided by the NUTS (reference) median (min-max over its coordinates);
+            ok = gap <= 1 nat and, on the regressions with an unknown noise scale, pos/NUTS within 5%.
+            'silent failures' lists the runs that are not ok and raised no warning.
+
+Run: python bench/bench_robustness.py [--quick] [--cases a,b] [--steps N] [--float32] [--rows blr,liegroup]
 """
 
 import argparse
@@ -181,7 +192,12 @@ def main():
     ap.add_argument("--float32", action="store_true", help="run in float32 (default: float64)")
     ap.add_argument("--no-nuts", action="store_true", help="skip the NUTS timing")
     ap.add_argument("--no-opt", action="store_true", help="skip the KL-optimal Gaussian (ELBO* column)")
+    ap.add_argument("--rows", default="blr", help=f"comma-separated entry points among {ROWS} (default blr)")
     args = ap.parse_args()
+    rows_selected = [r for r in args.rows.split(",") if r]
+    unknown = sorted(set(rows_selected) - set(ROWS))
+    if unknown or not rows_selected:
+        ap.error(f"--rows: unknown entry point(s) {unknown or rows_selected}; choose among {', '.join(ROWS)}")
     adam_steps = args.adam_steps or (2000 if args.quick else 10000)
 
     t_start = time.perf_counter()
@@ -196,6 +212,10 @@ def main():
           f"{jax.devices()[0].platform}" + ("" if rc.posteriordb_available() else "; posteriordb missing: its cases skipped"),
           flush=True)
 
+    if "blr" not in rows_selected:
+        for row in rows_selected:
+            ROW_RUNNERS[row](selected, args, t_start)
+        return
     rows, results = [], []
     for i, case in enumerate(selected):
         t_case = time.perf_counter()
@@ -289,6 +309,94 @@ def main():
         for w in r["warnings"]:
             print(f"  warning in {r['case']}/{r['guide']}: {w}")
     print(f"total wall time {time.perf_counter() - t_start:.0f} s")
+    for row in rows_selected:
+        if row != "blr":
+            ROW_RUNNERS[row](selected, args, time.perf_counter())
+
+
+# regressions with an unknown noise scale: the positive site's median must be within POS_TOL of NUTS's
+NOISE_REGRESSIONS = ("kidiq_kidscore_momiq", "kidiq_momiq_x1e3", "earnings_logearn_height", "earnings_height_mm_offset",
+                     "sblri_blr", "sblri_X1e3", "sblri_collinear", "diabetes_standardised", "diabetes_raw")
+POS_TOL = 0.05
+
+
+def positive_medians(case, guide, params):
+    """{site: (min, max) of median under the fit / NUTS median} over the positive sites of the case."""
+    from numpyro_blr.families.registry import is_positive_support
+
+    sites = [k for k, sup in rc.case_sites(case).items() if is_positive_support(sup)]
+    if not sites:
+        return {}
+    ref = case.reference()
+    med = guide.median(params)
+    out = {}
+    for k in sites:
+        r = np.asarray(med[k], np.float64).reshape(-1) / np.median(np.asarray(ref[k], np.float64).reshape(len(ref[k]), -1), 0)
+        out[k] = (float(np.min(r)), float(np.max(r)))
+    return out
+
+
+def liegroup_rows(selected, args, t_start):
+    """The ``liegroup`` row: nb.LieGroupGuide + nb.LieGroupBLR() defaults against the mean-field optimum."""
+    print(f"\nliegroup: nb.LieGroupGuide(model) + nb.LieGroupBLR() defaults, {args.steps} steps; yardstick nb.BLR() + "
+          f"AutoNormal ({args.steps} steps){'' if args.no_opt else ' and ELBO*'}", flush=True)
+    header = f"{'case':27s} {'d':>3s} | {'ELBO':>10s} {'gap':>8s} {'wall':>5s} | {'pos/NUTS':28s} | ok"
+    lines, bad = [], []
+    for case in selected:
+        key, ekey = jax.random.PRNGKey(0), jax.random.PRNGKey(1)
+        d = rc.n_params(case)
+        try:
+            lie = Run(case, nb.LieGroupGuide, nb.LieGroupBLR(), args.steps, 10, key)
+        except Exception as err:  # noqa: BLE001 - the guide does not apply (a discrete site, ...)
+            line = f"{case.name:27s} {d:3d} | n/a: {type(err).__name__}: {str(err)[:90]}"
+            lines.append(line)
+            print(line, flush=True)
+            continue
+        mf = Run(case, AutoNormal, nb.BLR(), args.steps, 10, key)
+        e_lie = safe_elbo(case, lie.guide, lie.params[-1], ekey)
+        cands = [safe_elbo(case, mf.guide, mf.params[-1], ekey)]
+        if not args.no_opt:
+            try:
+                cands.append(safe_elbo(case, mf.guide, rc.optimal_guide_params(case, mf.guide, mf.params[-1], diagonal=True),
+                                       ekey))
+            except Exception as err:  # noqa: BLE001
+                print(f"    optimal mean-field Gaussian failed: {type(err).__name__}: {err}")
+        cands = [e for e in cands if math.isfinite(e)]
+        best = max(cands) if cands else float("nan")
+        gap = best - e_lie if math.isfinite(e_lie) else float("inf")
+        try:
+            pos = positive_medians(case, lie.guide, lie.params[-1])
+        except Exception as err:  # noqa: BLE001
+            pos = {}
+            print(f"    positive-site medians failed: {type(err).__name__}: {err}")
+        pos_ok = all(1 - POS_TOL <= lo and hi <= 1 + POS_TOL for lo, hi in pos.values()) \
+            if case.name in NOISE_REGRESSIONS else True
+        ok = lie.finite and gap <= ELBO_TOL and pos_ok
+        pos_s = " ".join(f"{k} {lo:.3f}" + (f"-{hi:.3f}" if hi - lo > 5e-4 else "") for k, (lo, hi) in pos.items()) or "-"
+        line = (f"{case.name:27s} {d:3d} | {fmt(e_lie, '10.2f'):>10s} {fmt(gap, '8.2f'):>8s} "
+                f"{lie.t_compile + lie.t_run:5.1f} | {pos_s[:28]:28s} | " + ("yes" if ok else "no")
+                + ("" if lie.finite else " NONFINITE") + (f" [{len(lie.warnings)} warning(s)]" if lie.warnings else ""))
+        lines.append(line)
+        print(line, flush=True)
+        if not ok:
+            bad.append((case.name, bool(lie.warnings)))
+        for w in lie.warnings:
+            print(f"    warning: {str(w.message)[:160]}")
+    print()
+    print(header)
+    for line in lines:
+        print(line)
+    n_ok = sum(line.rstrip().split(" | ")[-1].startswith("yes") for line in lines)
+    n_app = sum(" n/a: " not in line for line in lines)
+    print(f"liegroup: {n_ok} of {n_app} applicable cases ok (gap <= {ELBO_TOL} nat; positive-site medians within "
+          f"{100 * POS_TOL:.0f}% of NUTS on the noise regressions)")
+    silent = [n for n, warned in bad if not warned]
+    print(f"liegroup silent failures: {', '.join(silent) if silent else 'none'}")
+    print(f"liegroup wall time {time.perf_counter() - t_start:.0f} s")
+
+
+ROWS = ("blr", "liegroup")
+ROW_RUNNERS = {"liegroup": liegroup_rows}
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
 r"""The Lie-group BLR in NumPyro: :class:`LieGroupGuide` over a model's latent sites and :class:`LieGroupBLR`,
 its optimizer::
 
-    guide = nb.LieGroupGuide(model, group="affine", base=dist.StudentT(3.0))
-    svi = SVI(model, guide, nb.LieGroupBLR(lr=0.1), Trace_ELBO())
+    guide = nb.LieGroupGuide(model)  # affine group, Gaussian q0; positive sites lognormal
+    svi = SVI(model, guide, nb.LieGroupBLR(), Trace_ELBO())  # the adaptive default: no lr to choose
 
 Each latent site's guide is the push-forward of a base distribution :math:`q_0` (any reparameterisable
 univariate NumPyro distribution) by a group element, elementwise (Kiral, Moellenhoff & Khan 2023;
@@ -11,12 +11,17 @@ univariate NumPyro distribution) by a group element, elementwise (Kiral, Moellen
 ==========================  ======================================  ===========================================
 site                        group                                   guide parameters (``{site}_{prefix}_...``)
 ==========================  ======================================  ===========================================
-positive support            multiplicative: :math:`\theta = g\xi`,  ``scale`` :math:`g` (no softplus, no exp of a
-                            :math:`\xi \sim` ``positive_base``      Gaussian: :math:`\theta` itself is drawn)
+positive support, defaults  affine on :math:`\log\theta` (lognormal) ``loc`` :math:`b`, ``scale`` :math:`A`
+positive support, with      multiplicative: :math:`\theta = g\xi`,  ``scale`` :math:`g` (no softplus, no exp of a
+``positive_base`` (*)       :math:`\xi \sim` ``positive_base``      Gaussian: :math:`\theta` itself is drawn)
 any other continuous        affine: :math:`T(b + A\epsilon)`        ``loc`` :math:`b`, ``scale`` :math:`A`
                             additive: :math:`T(b + \xi)`            ``loc`` :math:`b`
 ==========================  ======================================  ===========================================
 
+(*) or with ``group="additive"``, or a non-Gaussian ``base`` (whose exponential can lack the moments a likelihood needs).
+The one-parameter multiplicative family has the fixed spread of :math:`q_0` (``Gamma(10)``: coefficient of variation
+0.32), so it cannot fit a well-determined scale (``docs/lie-group.md``); the default on positive sites is the affine
+group acting on :math:`\log\theta`, whose shift is the multiplicative group's map on the median :math:`e^b`.
 :math:`T` = ``biject_to(support)`` (the identity on real sites), as in ``AutoNormal``. ``group`` is the group of
 the non-positive sites (``"affine"`` or ``"additive"``); ``groups={site: group}`` overrides it per site
 (``"affine"`` on a positive site acts on :math:`\log\theta`). The multiplicative group on a real site would need
@@ -32,7 +37,9 @@ per particle, the key fixed within a step), so its gradients *are* the algebra g
 :math:`\partial L/\partial\log g = \mathbb E[g\xi\nabla U] - 1 = X`; for the shift,
 :math:`X_b = A\,\partial L/\partial b`. :class:`LieGroupBLR` applies the group's exponential-map step to them
 with the Fisher metric of each site's :math:`q_0` (a :class:`~numpyro_blr.svi.GuideOptimizer`: parameters
-outside the guide go to ``fallback``, non-finite steps are skipped and reported). With a Gaussian :math:`q_0`
+outside the guide go to ``fallback``, non-finite steps are skipped and reported). Its defaults are ``nb.BLR()``'s:
+the adaptive step size with iterate averaging, a dense Newton step for the shifts, backtracking, and the end-of-run
+report (:class:`LieGroupBLR`). With a Gaussian :math:`q_0`
 the affine step is, to first order in ``lr``, ``nb.BLR``'s diagonal step with the same ``lr``.
 
 ``Predictive``, ``guide.sample_posterior``, ``median``, ``quantiles`` and ``nb.diagnostics.to_datatree`` work
@@ -46,6 +53,7 @@ from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import NamedTuple, Optional
 
+import numpy as np
 import jax
 import jax.numpy as jnp
 import numpyro
@@ -61,7 +69,10 @@ from numpyro.optim import _value_and_grad
 from numpyro_blr.families.registry import base_support
 from numpyro_blr.layout import GuideLayoutError, Layout
 from numpyro_blr.rules import liegroup as lie
-from numpyro_blr.svi import GuideAlgorithm, GuideOptimizer, GuideStep, commit_if_finite, skipped_report
+from numpyro_blr.core import value_at
+from numpyro_blr.report import COLLAPSE_EPS, DAMPED_FRACTION, MIN_STEPS, FitTrace, fit_report, next_trace
+from numpyro_blr.rules.schedules import adaptive_decay
+from numpyro_blr.svi import GuideAlgorithm, GuideOptimizer, GuideStep
 
 GUIDE_GROUPS = ("affine", "additive", "multiplicative")
 _GUIDES = weakref.WeakSet()  # live LieGroupGuides: LieGroupBLR finds its guide among them by parameter names
@@ -110,6 +121,12 @@ class LieGroupGuide(AutoGuide):
         self.groups = groups
         self.base = dist.Normal(0.0, 1.0) if base is None else base
         self.positive_base = dist.Gamma(10.0) if positive_base is None else positive_base
+        # positive sites: with the affine group and a Gaussian q0 (the defaults), the affine group on log(theta), the
+        # lognormal family of AutoNormal (a free spread); the one-parameter multiplicative family theta = g * xi, whose
+        # spread is that of xi, when a positive q0 is given, with another group, or with another q0 (exp of a
+        # Student-t draw has no moments of theta^-2, so a Gaussian likelihood's scale would have an infinite ELBO)
+        self.positive_multiplicative = (positive_base is not None or group != "affine"
+                                        or type(self.base) is not dist.Normal)
         if isinstance(init_scale, dict):
             for site, s in init_scale.items():
                 self._check_init_scale(s, site)
@@ -135,7 +152,12 @@ class LieGroupGuide(AutoGuide):
     def _site_group(self, name, site):
         support = site["fn"].support
         positive = lie.is_positive_support(support)
-        group = self.groups.get(name, "multiplicative" if positive else self.group)
+        if name in self.groups:
+            group = self.groups[name]
+        elif positive:
+            group = "multiplicative" if self.positive_multiplicative else "affine"
+        else:
+            group = self.group
         if group == "multiplicative" and not positive:
             raise ValueError(
                 f"LieGroupGuide: site {name!r} has support {support}: the multiplicative group theta = g * xi keeps "
@@ -312,7 +334,8 @@ class LieGroupGuide(AutoGuide):
             c_loc, c_scale = info["metric"]
             handle = names.get("loc", names.get("scale"))
             out.append(LieBlock(f"lie-{info['group']}", handle, name, info["group"], names.get("loc"),
-                                names.get("scale"), c_loc, c_scale))
+                                names.get("scale"), c_loc, c_scale, _base_sd(info["base"]),
+                                type(info["base"]) is dist.Normal))
         return tuple(out)
 
 
@@ -329,17 +352,36 @@ class LieBlock:
     scale_param: Optional[str]
     metric_loc: Optional[float]
     metric_scale: Optional[float]
+    base_sd: float = 1.0  # sd of q0: the whitened mean gradient is A dL/db times it
+    gaussian: bool = False  # q0 is a Normal: the dense Newton step generalises the Fisher metric A^-2 (joint_shift)
 
 
 # ----------------------------------------------------------------------------- the optimizer
 
 
+DEFAULT_LR = (0.5, 10.0)  # adaptive_decay(init_value, halving_steps): nb.BLR()'s default schedule
+BACKTRACK_TRIES = 8
+JOINT_MAX_DIM = 256  # the joint mean step (a dense Hessian per step) up to this many shift coordinates, as nb.BLR
+
+
 class LieSVIState(NamedTuple):
-    """:class:`LieGroupBLR`'s state over the guide's parameters: ``momentum`` per parameter (the momentum of its
-    algebra gradient; ``optax.sgd``'s trace for additive shifts) and ``count`` (steps taken)."""
+    r""":class:`LieGroupBLR`'s state over the guide's parameters (fixed-shape arrays: ``SVI.run`` scans and resumes it).
+
+    ``momentum``  per parameter, the momentum of its algebra gradient (``optax.sgd``'s trace for additive shifts);
+    ``count``     steps taken;
+    ``trace``     :class:`~numpyro_blr.report.FitTrace`, the evidence of the end-of-run report and the clock of the
+                  adaptive step size (as ``nb.BLR``'s);
+    ``average``   with the default step size: the average of the iterates of every guide parameter, in the stored
+                  (exponential) coordinates :math:`b`, :math:`\log A`, :math:`\log g`, which ``get_params``
+                  returns; else empty;
+    ``precision`` with the joint mean step: the dense precision :math:`P` across the shifts, ``(0, 0)`` otherwise.
+    """
 
     momentum: dict
     count: jax.Array
+    trace: FitTrace
+    average: dict
+    precision: jax.Array
 
 
 def _find_guide(params, optimizer):
@@ -365,8 +407,170 @@ def _find_guide(params, optimizer):
     return found[0]
 
 
-def liegroup_guide_algorithm(lr, scale_lr=None, momentum=0.0, scale_momentum=0.0, clip_radius=1.0):
-    """The Lie-group BLR over a :class:`LieGroupGuide`'s parameters, for :class:`~numpyro_blr.svi.GuideOptimizer`."""
+def _base_sd(base):
+    try:
+        sd = math.sqrt(float(base.variance))
+    except Exception:  # noqa: BLE001
+        return 1.0
+    return sd if math.isfinite(sd) and sd > 0 else 1.0
+
+
+def _names(b):
+    return [n for n in (b.loc_param, b.scale_param) if n is not None]
+
+
+def _backtrack(fn, params, delta, loss, control=None, shrink=0.25, tries=BACKTRACK_TRIES):
+    r"""Damping :math:`\alpha` of the shifts ``delta`` (``{loc name: step}``): the first of :math:`1, 1/4, 1/16, \dots`
+    at which this step's sample of the loss (the draw fixed) does not rise, 0 when none of ``tries`` does.
+
+    With the draw :math:`\epsilon` fixed, the loss is :math:`f(b) = -\log p(\mathcal D, T(b + A\epsilon)) + \log q`
+    and the shift :math:`-\rho A M_b\varphi(z)` (without momentum) is :math:`-\rho A^2\varphi(z)\nabla f`: a descent
+    direction of :math:`f`, so some :math:`\alpha > 0` is accepted. The damped step is the group's exponential map
+    with the shift's step size :math:`\alpha\rho` (the scale's :math:`z` unchanged). On a quadratic loss at the
+    fixed point, :math:`\alpha` is even in :math:`\epsilon` for a symmetric :math:`q_0`, so the fixed point is
+    unchanged; where the diagonal step overshoots (a strongly correlated posterior, on which the mean step is a
+    Jacobi iteration with eigenvalues :math:`\rho\lambda > 2`; a far start on saturating logits) it stops the means
+    from oscillating out. With the joint step's control variate :math:`c` (``control``, ``{loc name: c}``), the step
+    is a Newton step on :math:`\phi(b') = f(b') - (b' - b)^\top c`, whose expectation is :math:`f`'s, and
+    :math:`\phi` is compared (``nb.BLR._backtrack``). One loss evaluation per try (Nocedal & Wright 2006, Sec. 3.1)."""
+    loss0 = jnp.asarray(loss)
+    tol = 4.0 * jnp.finfo(loss0.dtype).eps * jnp.abs(loss0)
+    control = control or {}
+    slope = sum((jnp.sum(delta[n] * c).astype(loss0.dtype) for n, c in control.items()), jnp.zeros((), loss0.dtype))
+
+    def value(alpha):
+        p = dict(params)
+        for n, d in delta.items():
+            p[n] = params[n] + alpha.astype(params[n].dtype) * d
+        return jnp.asarray(fn(p)[0], loss0.dtype) - alpha * slope
+
+    def cond(c):
+        k, _, accepted = c
+        return (~accepted) & (k < tries)
+
+    def body(c):
+        k, _, _ = c
+        alpha = jnp.asarray(shrink, loss0.dtype) ** k
+        val = value(alpha)
+        return k + 1, alpha, jnp.isfinite(val) & (val <= loss0 + tol)
+
+    start = (jnp.zeros((), jnp.int32), jnp.ones((), loss0.dtype), jnp.zeros((), bool))
+    _, alpha, accepted = lax.while_loop(cond, body, start)
+    return jnp.where(accepted, alpha, 0.0)
+
+
+def _shift_blocks(layout):
+    return [b for b in layout.blocks if b.group in ("affine", "additive")]
+
+
+def _shift_size(params, layout):
+    return sum(int(np.prod(jnp.shape(params[b.loc_param]))) for b in _shift_blocks(layout))
+
+
+def shift_hessian(fn, params, layout):
+    """The exact Hessian of this step's loss (the draw fixed) in the flattened shifts of the affine and additive
+    sites (forward over reverse mode), symmetrised."""
+    blocks = _shift_blocks(layout)
+    shapes = [jnp.shape(params[b.loc_param]) for b in blocks]
+    sizes = [int(np.prod(sh)) for sh in shapes]
+    flat0 = jnp.concatenate([params[b.loc_param].reshape(-1) for b in blocks])
+
+    def loss_of(flat):
+        p, start = dict(params), 0
+        for b, sh, n in zip(blocks, shapes, sizes):
+            p[b.loc_param] = flat[start:start + n].reshape(sh).astype(params[b.loc_param].dtype)
+            start += n
+        return fn(p)[0]
+
+    hess = jax.jacfwd(jax.grad(loss_of))(flat0)
+    return 0.5 * (hess + hess.T)
+
+
+def hessian_diagonals(hess, params, layout):
+    """``{loc name: diag(H) shaped like the loc}`` of the shift Hessian."""
+    out, start, diag = {}, 0, jnp.diagonal(hess)
+    for b in _shift_blocks(layout):
+        n = int(np.prod(jnp.shape(params[b.loc_param])))
+        out[b.loc_param] = diag[start:start + n].reshape(jnp.shape(params[b.loc_param]))
+        start += n
+    return out
+
+
+def _draw_offset(grad_loc, grad_log_scale, scale):
+    r""":math:`z - b = A\epsilon` of this step's draw, read off the gradients: with the draw fixed,
+    :math:`\partial L/\partial b = U'(z)` and :math:`\partial L/\partial\log A = A\epsilon\,U'(z) - 1`
+    (Gaussian :math:`q_0`, elementwise), so :math:`A\epsilon = (\partial L/\partial\log A + 1)/U'(z)`. Where
+    :math:`U'(z)` is too small for the ratio to be resolved (or it gives :math:`|\epsilon| > 10`) the offset is 0:
+    that coordinate goes without the control variate."""
+    ok = jnp.abs(grad_loc) > 1e3 * jnp.finfo(grad_loc.dtype).eps * jnp.maximum(1.0, jnp.abs(grad_log_scale))
+    ratio = (grad_log_scale + 1.0) / jnp.where(ok, grad_loc, jnp.ones_like(grad_loc))
+    ok = ok & jnp.isfinite(ratio) & (jnp.abs(ratio) <= 10.0 * scale)
+    return jnp.where(ok, ratio, jnp.zeros_like(ratio))
+
+
+def joint_shift(hess, params, grads, layout, mom, precision, rho, zs, shifts, control=True):
+    r"""The shifts of the affine and additive sites preconditioned by a dense precision :math:`P` across them
+    (``nb.BLR``'s Newton step for mean-field guides, ``_joint_mean_step``); writes them into ``shifts`` and returns
+    the new :math:`P`.
+
+    :math:`P` takes the BLR's precision step from ``hess``, the exact Hessian :math:`\hat H` of this step's loss in
+    the shifts (:func:`shift_hessian`; the draw fixed: the Hessian of the unconstrained potential at
+    :math:`T^{-1}\theta`), positive definite by :func:`~numpyro_blr.rules.blr.full_precision_update` (one-sided), and
+    the shift of the exponential map :math:`-\rho A M_b\varphi(z) = -\rho\varphi(z) A^2\bar g/c_b` becomes
+    :math:`-\rho\varphi(z)\,P^{-1}\bar g` (:math:`\bar g` the momentum of the gradient): the same formula with the
+    mean-field metric :math:`A^{-2}` replaced by the dense curvature. The fixed point is unchanged
+    (:math:`\mathbb E_q[\nabla\ell] = 0`, the mean-field optimum's mean condition); each step is a Newton step rather
+    than a damped Jacobi iteration, which on a posterior with correlation :math:`-0.999` between two coefficients
+    contracts by :math:`1 - 0.001\rho` per step. The scales keep the group's step (with the algebra gradient read
+    off the same Hessian, :math:`X_A = A^2\hat H_{ii} - 1`)."""
+    from jax.scipy.linalg import cho_solve
+
+    from numpyro_blr.rules.blr import full_precision_update
+
+    blocks = _shift_blocks(layout)
+    shapes = [jnp.shape(params[b.loc_param]) for b in blocks]
+    sizes = [int(np.prod(sh)) for sh in shapes]
+    flat0 = jnp.concatenate([params[b.loc_param].reshape(-1) for b in blocks])
+    gbar, phi, offset = [], [], []
+    for b in blocks:
+        if b.group == "affine":
+            a = jnp.exp(params[b.scale_param])
+            gbar.append((mom[b.loc_param] * b.metric_loc / a).reshape(-1))  # M_b = A g / c_b
+            offset.append(_draw_offset(grads[b.loc_param], grads[b.scale_param], a).reshape(-1))
+            z = zs[b.loc_param]
+            decay = jnp.expm1(-z)
+            safe = jnp.where(z == 0, jnp.ones_like(z), z)
+            phi.append(jnp.where(z == 0, jnp.ones_like(z), -decay / safe).reshape(-1))
+        else:
+            gbar.append(grads[b.loc_param].reshape(-1))
+            phi.append(jnp.ones((int(np.prod(jnp.shape(params[b.loc_param])))), flat0.dtype))
+            offset.append(jnp.zeros((int(np.prod(jnp.shape(params[b.loc_param])))), flat0.dtype))
+    gbar, phi, offset = jnp.concatenate(gbar), jnp.concatenate(phi), jnp.concatenate(offset)
+    cv = jnp.zeros_like(gbar)
+    if control:  # nb.BLR's control variate: P_old (z - b) has mean zero and P_old does not depend on the draw
+        cv = precision @ offset
+        cv = jnp.where(jnp.all(jnp.isfinite(cv)), cv, jnp.zeros_like(cv))
+        gbar = gbar - cv
+    rho = jnp.asarray(rho, flat0.dtype)
+    new_precision = full_precision_update(precision, None, hess, rho, "one-sided")
+    step = -rho * phi * cho_solve((jnp.linalg.cholesky(new_precision), True), gbar)
+    start, control_by_loc = 0, {}
+    for b, sh, n in zip(blocks, shapes, sizes):
+        shifts[b.loc_param] = step[start:start + n].reshape(sh).astype(params[b.loc_param].dtype)
+        control_by_loc[b.loc_param] = cv[start:start + n].reshape(sh)
+        start += n
+    return new_precision, control_by_loc
+
+
+def liegroup_guide_algorithm(lr, scale_lr=None, momentum=0.0, scale_momentum=0.0, clip_radius=1.0, backtrack=True,
+                             joint_mean=None):
+    """The Lie-group BLR over a :class:`LieGroupGuide`'s parameters, for :class:`~numpyro_blr.svi.GuideOptimizer`.
+
+    ``lr``: a float, a schedule ``count -> rho`` or an :class:`~numpyro_blr.rules.schedules.adaptive_decay` (clock,
+    iterate averaging and halving on skipped steps, as ``nb.BLR``); ``scale_lr``: the affine scales' step (default:
+    ``lr``'s)."""
+    adaptive = bool(getattr(lr, "adaptive", False))
+    averaging = adaptive and bool(getattr(lr, "averaging", False))
 
     def read_layout(params, optimizer):
         if not isinstance(params, dict):
@@ -376,12 +580,18 @@ def liegroup_guide_algorithm(lr, scale_lr=None, momentum=0.0, scale_momentum=0.0
         used = {n for b in blocks for n in (b.loc_param, b.scale_param) if n is not None}
         return Layout(blocks, tuple(sorted(set(params) - used)))
 
-    def names(b):
-        return [n for n in (b.loc_param, b.scale_param) if n is not None]
+    def joint(params, layout):
+        if joint_mean is None:  # the default step size only: a given lr runs the group's own (diagonal) rule
+            gaussian = all(b.gaussian for b in _shift_blocks(layout))
+            return adaptive and gaussian and 0 < _shift_size(params, layout) <= JOINT_MAX_DIM
+        return bool(joint_mean) and _shift_size(params, layout) > 0
+
+    def direction_size(params, layout):
+        return sum(int(np.prod(jnp.shape(params[n]))) for b in layout.blocks for n in _names(b))
 
     def init(params, layout):
         for b in layout.blocks:
-            for n in names(b):
+            for n in _names(b):
                 bad = ~jnp.isfinite(params[n])
                 if not isinstance(bad, jax.core.Tracer) and bool(jnp.any(bad)):  # traced (nb.fit): steps report it
                     what = "scale" if n == b.scale_param else "loc"
@@ -391,45 +601,228 @@ def liegroup_guide_algorithm(lr, scale_lr=None, momentum=0.0, scale_momentum=0.0
                         f"LieGroupBLR: site {b.site!r} ({n!r}) has {reason}: {int(jnp.sum(bad))} entries. Pass positive "
                         "finite init_params, or a positive init_scale to the guide."
                     )
-        momentum = {n: jnp.zeros_like(params[n]) for b in layout.blocks for n in names(b)}
-        return params, LieSVIState(momentum, jnp.zeros((), jnp.int32))
+        names = [n for b in layout.blocks for n in _names(b)]
+        dtype = jnp.result_type(*[params[n] for n in names]) if names else jnp.result_type(float)
+
+        def full(shape, value, dt=dtype):
+            return jax.device_put(np.full(shape, value, dtype=dt))
+
+        handles = {b.loc: params[b.loc] for b in layout.blocks}
+        trace = FitTrace(
+            clock=full((), 0), direction=full((direction_size(params, layout),), 0), rho=full((), 0),
+            loss_avg=full((), np.nan), loss_var=full((), 0), loss_best=full((), np.inf), loss_best_var=full((), 0),
+            gradient_size={n: full(np.shape(v), 0, jnp.result_type(v)) for n, v in handles.items()},
+            gradient_last={n: full(np.shape(v), 0, jnp.result_type(v)) for n, v in handles.items()},
+            persistence={n: full(np.shape(v), 1, jnp.result_type(v)) for n, v in handles.items()},
+            halvings=full((), 0, np.int32), damped=full((), 0, np.int32), damped_recent=full((), 0), damping=full((), 1),
+        )
+        momentum_ = {n: jnp.zeros_like(params[n]) for n in names}
+        average = {n: params[n] for n in names} if averaging else {}
+        if joint(params, layout):  # start from the guide's own (diagonal) precision 1 / (A sd0)^2
+            diag = []
+            for b in _shift_blocks(layout):
+                sd = b.base_sd * (jnp.exp(params[b.scale_param]) if b.group == "affine" else 1.0)
+                diag.append(jnp.broadcast_to(sd, jnp.shape(params[b.loc_param])).reshape(-1) ** -2)
+            precision = jnp.diag(jnp.concatenate(diag).astype(dtype))
+        else:
+            precision = full((0, 0), 0)
+        return params, LieSVIState(momentum_, jnp.zeros((), jnp.int32), trace, average, precision)
 
     def step(fn, params, s, layout, i, forward_mode):
         (loss, aux), grads = _value_and_grad(fn, x=params, forward_mode_differentiation=forward_mode)
+        dtype = s.trace.clock.dtype
+        if adaptive:  # nb.BLR's schedule: rho_0 / sqrt(1 + c/tau) with averaging, on the noise clock c
+            rho = jnp.asarray(lr.iterate(s.trace.clock) if averaging else lr(s.trace.clock), dtype)
+            step_lr, step_scale_lr = rho, (rho if scale_lr is None else scale_lr)
+        else:
+            step_lr, step_scale_lr = lr, (lr if scale_lr is None else scale_lr)
+            rho = jnp.asarray(value_at(lr, s.count), dtype)
         new_params, mom, checked = dict(params), dict(s.momentum), {}
+        direction, whitened, shifts, zs = {}, {}, {}, {}
+        use_joint = joint(params, layout)
+        hess = shift_hessian(fn, params, layout) if use_joint else None
+        hess_diag = hessian_diagonals(hess, params, layout) if use_joint else {}
         for b in layout.blocks:
             if b.group == "affine":
-                rule = lie.AffineRule(lr, scale_lr, momentum, scale_momentum, b.metric_loc, b.metric_scale, clip_radius)
+                rule = lie.AffineRule(step_lr, step_scale_lr, momentum, scale_momentum, b.metric_loc, b.metric_scale,
+                                      clip_radius)
                 log_a = params[b.scale_param]
                 a = jnp.exp(log_a)
-                grad = lie.AffineGrad(a * grads[b.loc_param], grads[b.scale_param])
+                x_scale = grads[b.scale_param]
+                if b.loc_param in hess_diag:  # Stein: E[A eps dU] = E[A^2 d2U]: the same algebra gradient, less noise
+                    x_scale = a * a * hess_diag[b.loc_param] - 1.0
+                grad = lie.AffineGrad(a * grads[b.loc_param], x_scale)
                 z, shift, m_loc, m_scale = lie.affine_direction(rule, a, mom[b.loc_param], mom[b.scale_param], grad, s.count)
-                new_params[b.loc_param] = params[b.loc_param] + shift
+                shifts[b.loc_param], zs[b.loc_param] = shift, z
                 new_params[b.scale_param] = lie.clamp_log_scale(log_a - z)
                 mom[b.loc_param], mom[b.scale_param] = m_loc, m_scale
+                u = grad.loc * b.base_sd  # the mean's distance to the optimum in sds of q (a Gaussian posterior)
+                direction[b.loc] = jnp.concatenate([u.reshape(-1), grad.scale.reshape(-1)])
             elif b.group == "multiplicative":
-                rule = lie.MultiplicativeRule(lr, momentum, b.metric_scale, clip_radius)
+                rule = lie.MultiplicativeRule(step_lr, momentum, b.metric_scale, clip_radius)
                 z, mom[b.scale_param] = lie.multiplicative_factor(rule, mom[b.scale_param], grads[b.scale_param], s.count)
                 new_params[b.scale_param] = lie.clamp_log_scale(params[b.scale_param] - z)
+                u = grads[b.scale_param] / math.sqrt(b.metric_scale)  # in sds of log(theta) under q
+                direction[b.loc] = u.reshape(-1)
             else:
-                rule = lie.AdditiveRule(lr, momentum)
-                new_params[b.loc_param], mom[b.loc_param] = lie.additive_step(rule, params[b.loc_param], mom[b.loc_param],
-                                                                              grads[b.loc_param], s.count)
-            for n in names(b):
+                rule = lie.AdditiveRule(step_lr, momentum)
+                moved, mom[b.loc_param] = lie.additive_step(rule, params[b.loc_param], mom[b.loc_param],
+                                                            grads[b.loc_param], s.count)
+                shifts[b.loc_param] = moved - params[b.loc_param]
+                u = grads[b.loc_param] * b.base_sd
+                direction[b.loc] = u.reshape(-1)
+            whitened[b.loc] = u
+        new_precision, control = s.precision, {}
+        if use_joint:
+            new_precision, control = joint_shift(hess, params, grads, layout, mom, s.precision, rho if adaptive else
+                                        jnp.asarray(value_at(lr, s.count), dtype), zs, shifts, control=momentum == 0)
+        damping = jnp.ones((), dtype)
+        if backtrack and shifts:
+            damping = _backtrack(fn, params, shifts, loss, control)
+        for n, d in shifts.items():
+            new_params[n] = params[n] + damping.astype(d.dtype) * d
+        for b in layout.blocks:
+            for n in _names(b):
                 checked[n] = (grads[n], new_params[n], mom[n])
-        return GuideStep(loss, aux, grads, new_params, LieSVIState(mom, s.count + 1), checked)
+        if jnp.size(new_precision) and _shift_blocks(layout):
+            first = _shift_blocks(layout)[0].loc_param
+            checked[first] = checked[first] + (new_precision,)
+        skipped = (lr.skipped if averaging else (lambda c: 2.0 * c + lr.halving_steps)) if adaptive else None
 
-    report = skipped_report("LieGroupBLR", "Pass a smaller lr (or scale_lr), or check the model's log density at the "
-                                           "current guide.")
-    return GuideAlgorithm("LieGroupBLR", init, step, commit_if_finite, report, read_layout=read_layout)
+        def finish(old, ok):
+            """The state once the adapter knows whether the step was finite: the trace records the step either way
+            (a skipped step advances the clock, halving rho); the rest is kept only if ``ok``."""
+            trace = next_trace(old.trace, i, ok, loss, rho, direction, whitened, skipped, damping)
+            average = old.average
+            if averaging:  # Polyak-Ruppert: the average of the iterates with weight rho_0 / (1 + c/tau)
+                weight = jnp.asarray(lr(trace.clock), dtype)
+                average = {n: a + weight.astype(a.dtype) * (new_params[n] - a) for n, a in old.average.items()}
+            new = LieSVIState(mom, old.count + 1, trace, average, new_precision)
+            return jax.tree.map(lambda x, y: jnp.where(ok, x, y), new, old._replace(trace=trace))
+
+        return GuideStep(loss, aux, grads, new_params, finish, checked)
+
+    def result(state, params):
+        """The parameters ``get_params`` returns: with averaging, the guide's parameters are the iterates' average."""
+        if not state.average:
+            return params
+        return {**params, **state.average}
+
+    return GuideAlgorithm("LieGroupBLR", init, step, lambda old, finish, ok: finish(old, ok), _report,
+                          read_layout=read_layout, result=result)
+
+
+def _site_names(optimizer, state, names):
+    """``{parameter name: site}`` for the guide's parameters (the names themselves when the layout cannot be read)."""
+    try:
+        blocks = optimizer.layout(state[1].params).blocks
+    except Exception:  # noqa: BLE001
+        return {n: n for n in names}
+    out = {}
+    for b in blocks:
+        for n in [b.loc] + _names(b):
+            out[n] = b.site
+    return {n: out.get(n, n) for n in names}
+
+
+def liegroup_fit_report(result, optimizer):
+    r"""The :class:`~numpyro_blr.report.FitReport` of a :class:`LieGroupBLR` run, with messages naming its sites and
+    the change that fixes each problem. The evidence is ``nb.BLR``'s (:func:`numpyro_blr.fit_report`: skipped steps,
+    divergence of the running loss, means whose whitened gradient :math:`u = A\,\partial L/\partial b` keeps its sign
+    while above 1 sd, backtracking still damping), plus scales collapsed to the rounding level and runs too short to
+    judge (fewer than ``MIN_STEPS`` steps)."""
+    rep = fit_report(result, optimizer=optimizer)
+    obj = getattr(getattr(result, "state", result), "optim_state", getattr(result, "state", result))
+    step, s = obj
+    steps = rep.steps
+    adaptive = optimizer.lr is None or getattr(optimizer.lr, "adaptive", False)
+    smaller = ("pass a smaller initial step, nb.LieGroupBLR(lr=nb.adaptive_decay(0.1, 10)), or a smaller clip_radius"
+               if adaptive else f"pass a smaller lr (this run used {optimizer.lr!r}), or leave lr unset for the adaptive "
+               "default (a step size that decays once the steps are noise, iterate averaging, backtracking)")
+    problems, keys = [], []
+    sites = _site_names(optimizer, (step, s), rep.nonfinite_parameters)
+    if rep.skipped_steps:
+        halved = f", and the step size was halved {rep.halvings} time(s), to {rep.step_size:.3g}" if rep.halvings else ""
+        listed = ", ".join(f"{n} (site {sites[n]!r})" for n in rep.nonfinite_parameters)
+        unusable = " The fit is not usable: most of its steps were skipped." if 2 * rep.skipped_steps > steps else ""
+        problems.append(
+            f"nb.LieGroupBLR skipped {rep.skipped_steps} of {steps} step(s) because of a non-finite loss, gradient or "
+            f"update, for parameter(s) {listed}; those steps kept the last finite values{halved}.{unusable} Check the "
+            f"model's log density at the current guide (a scale or rate that reaches 0, an overflowing exp), or "
+            f"{smaller}.")
+        keys.append(("lie-skipped", rep.skipped_steps, steps))
+    if rep.diverged:
+        problems.append(
+            f"nb.LieGroupBLR diverged: after {steps} steps the average loss ended at {rep.loss_average:.6g}, "
+            f"{rep.loss_average - rep.loss_best:.3g} above its best value {rep.loss_best:.6g} in this run: the fit is "
+            f"not usable. To fix it, {smaller}.")
+        keys.append(("lie-diverged", steps))
+    if steps < MIN_STEPS:
+        problems.append(
+            f"nb.LieGroupBLR: {steps} step(s) are too few to judge the fit (its convergence checks need at least "
+            f"{MIN_STEPS}); continue the run (svi.run(key, steps, ..., init_state=svi_result.state)).")
+        keys.append(("lie-short", steps))
+    elif rep.unconverged and not rep.diverged:
+        by_site = {}
+        for n, v in rep.unconverged.items():
+            site = _site_names(optimizer, (step, s), [n])[n]
+            by_site[site] = max(by_site.get(site, 0.0), v)
+        listed = ", ".join(f"{k!r} ({v:.3g} sd)" for k, v in sorted(by_site.items(), key=lambda kv: -kv[1]))
+        extra = "" if adaptive else f" With a fixed lr (this run used {optimizer.lr!r}), leave lr unset for the adaptive default."
+        problems.append(
+            f"nb.LieGroupBLR has not converged after {steps} steps: the means of site(s) {listed} are still that many "
+            "posterior standard deviations from where the expected gradient vanishes (the step keeps its sign). "
+            "Continue the run (svi.run(key, steps, ..., init_state=svi_result.state)); the group's step is diagonal, "
+            "so on a strongly correlated posterior it needs many steps: if this persists, fit AutoNormal with nb.BLR() "
+            f"(its mean step is a Newton step across sites).{extra}")
+        keys.append(("lie-unconverged", steps) + tuple(sorted(by_site)))
+    if rep.damped_recent > DAMPED_FRACTION and steps >= MIN_STEPS and not rep.diverged:
+        problems.append(
+            f"nb.LieGroupBLR: backtracking still shortened the mean step on {100 * rep.damped_recent:.0f}% of the "
+            f"recent steps ({rep.damped_steps} of {steps} in all): the diagonal step over-shoots where the fit ended "
+            "(strongly correlated coefficients, saturated likelihood terms), so the fit may be short of the optimum. "
+            "Continue the run, or fit AutoNormal with nb.BLR().")
+        keys.append(("lie-damped", steps))
+    collapsed = []
+    try:
+        blocks = optimizer.layout(s.params).blocks
+    except Exception:  # noqa: BLE001
+        blocks = ()
+    params = optimizer.algorithm.result(s.algorithm, s.params)
+    for b in blocks:
+        if b.scale_param is None:
+            continue
+        log_scale = np.asarray(params[b.scale_param], dtype=float)
+        eps = np.finfo(np.asarray(params[b.scale_param]).dtype).eps
+        ref = np.abs(np.asarray(params[b.loc_param], dtype=float)) if b.loc_param else 0.0
+        if np.any(np.exp(log_scale) < COLLAPSE_EPS * eps * np.maximum(1.0, ref)):
+            collapsed.append(b.site)
+    if collapsed and not rep.diverged:
+        problems.append(
+            f"nb.LieGroupBLR: after {steps} steps the guide's scale collapsed to the rounding level of the mean at "
+            f"site(s) {collapsed}: the posterior there is degenerate (a hierarchical scale going to 0) or the scale "
+            f"step over-shot. Reparameterise the site (LocScaleReparam for a hierarchical scale) or {smaller}.")
+        keys.append(("lie-collapsed", steps) + tuple(collapsed))
+    return rep._replace(problems=problems, problem_keys=keys, collapsed=collapsed)
+
+
+def _report(state, optimizer):
+    """``(key, message)`` for each problem :func:`liegroup_fit_report` finds (warned once per run)."""
+    rep = liegroup_fit_report(state, optimizer)
+    return list(zip(rep.problem_keys, rep.problems))
 
 
 class LieGroupBLR(GuideOptimizer):
     r"""The Lie-group BLR for SVI with a :class:`LieGroupGuide` (module docstring).
 
-    :param lr: step size :math:`\rho` of the shift (affine, additive) and of the multiplicative scales: a float > 0
-        or a schedule ``step -> lr``.
-    :param scale_lr: step size :math:`\rho_A` of the affine scales (default ``lr``).
+    :param lr: step size :math:`\rho` of the shift (affine, additive) and of the multiplicative scales. Default
+        (``None``): ``nb.BLR()``'s :class:`~numpyro_blr.rules.schedules.adaptive_decay` (0.5, 10): on a clock that
+        advances only while successive steps disagree in sign (Kesten's rule: the steps are Monte Carlo noise), the
+        parameters step with :math:`0.5/\sqrt{1 + c/10}` and ``get_params`` returns the average of the iterates in
+        the group's exponential coordinates (:math:`b`, :math:`\log A`, :math:`\log g`) with weight
+        :math:`0.5/(1 + c/10)`; a skipped (non-finite) step halves :math:`\rho`. A float or an optax schedule
+        ``step -> lr`` is used as given, with no average; an ``nb.adaptive_decay(...)`` sets the schedule.
+    :param scale_lr: step size :math:`\rho_A` of the affine scales (default: ``lr``'s).
     :param momentum: momentum :math:`\beta` of the shift's (and multiplicative scale's) algebra gradient, in [0, 1).
     :param scale_momentum: momentum of the affine scale's algebra gradient, in [0, 1).
     :param clip_radius: bound on the change of a log-scale in one step (default 1: a scale moves by at most a factor
@@ -437,21 +830,52 @@ class LieGroupBLR(GuideOptimizer):
         :math:`\nu \le 4`: :math:`\epsilon^2` has no variance), one draw can give a huge algebra gradient, and the
         exponential map would turn it into a factor :math:`e^{-\rho X}` that takes hundreds of steps to undo; near
         the fixed point :math:`\rho X` is small and the clip is inactive (``float('inf')`` turns it off).
+    :param joint_mean: precondition the shifts with a dense precision across the sites, tracked from the exact
+        Hessian of each step's loss (:func:`joint_shift`: ``nb.BLR``'s Newton step for mean-field guides; the
+        family and its fixed point are unchanged), and the affine scales' algebra gradient read off the same Hessian
+        (:math:`A^2\hat H_{ii} - 1`, Stein's identity). Default ``None``: on with the default (adaptive) ``lr`` when
+        the affine and additive sites have a Gaussian :math:`q_0` (whose Fisher metric :math:`A^{-2}` the dense
+        curvature generalises) and hold at most ``JOINT_MAX_DIM`` (256) numbers; off with a given ``lr`` (the
+        group's own rule, as in the paper) or ``False``: the diagonal step of the group's Fisher metric.
+    :param backtrack: shorten the shift by factors of 4 while it raises this step's sample of the loss (the draw
+        fixed; :func:`_backtrack`), default ``True``: one loss evaluation per step.
     :param fallback: an optax optimizer for parameters outside the guide (a model's ``numpyro.param``).
     :param guide: the :class:`LieGroupGuide` (found by its parameter names when omitted).
+
+    At the end of ``SVI.run`` (``get_params`` outside ``jit``) it warns, as ``nb.BLR()`` does, about skipped steps,
+    divergence, means that have not converged, backtracking that still damps, collapsed scales and runs too short to
+    judge, naming the sites and the change that fixes it (:meth:`fit_report`).
     """
 
-    def __init__(self, lr, scale_lr=None, momentum=0.0, scale_momentum=0.0, clip_radius=1.0, *, fallback=None,
-                 guide=None):
+    def __init__(self, lr=None, scale_lr=None, momentum=0.0, scale_momentum=0.0, clip_radius=1.0, *, backtrack=True,
+                 joint_mean=None, fallback=None, guide=None):
         from numpyro_blr.core import check_fraction, check_positive
         from numpyro_blr.presets import _lr
 
         if guide is not None and not isinstance(guide, LieGroupGuide):
             raise ValueError(f"LieGroupBLR fits a nb.LieGroupGuide, got guide={type(guide).__name__}.")
-        lr = _lr(lr)
-        scale_lr = lr if scale_lr is None else _lr(scale_lr)
-        algorithm = liegroup_guide_algorithm(lr, scale_lr, check_fraction(momentum, "momentum"),
+        if not isinstance(backtrack, (bool, np.bool_)):
+            raise ValueError(f"backtrack must be True or False, got {backtrack!r}.")
+        if joint_mean is not None and not isinstance(joint_mean, (bool, np.bool_)):
+            raise ValueError(f"joint_mean must be None (automatic), True or False, got {joint_mean!r}.")
+        self.lr = lr
+        if lr is None:
+            schedule = adaptive_decay(*DEFAULT_LR)
+        elif getattr(lr, "adaptive", False):
+            schedule = lr
+        else:
+            schedule = _lr(lr)
+        scale_lr = None if scale_lr is None else _lr(scale_lr)
+        if scale_lr is None and not getattr(schedule, "adaptive", False):
+            scale_lr = schedule
+        self.backtrack = bool(backtrack)
+        algorithm = liegroup_guide_algorithm(schedule, scale_lr, check_fraction(momentum, "momentum"),
                                              check_fraction(scale_momentum, "scale_momentum"),
-                                             check_positive(clip_radius, "clip_radius", allow_inf=True))
+                                             check_positive(clip_radius, "clip_radius", allow_inf=True), self.backtrack,
+                                             joint_mean)
         super().__init__(algorithm, fallback=fallback, guide=guide, prefix=getattr(guide, "prefix", None))
 
+    def fit_report(self, result):
+        """The :class:`~numpyro_blr.report.FitReport` of a run (``svi_result``, its ``.state`` or the optimizer state)
+        with this optimizer's messages (:func:`liegroup_fit_report`)."""
+        return liegroup_fit_report(result, self)
