@@ -45,8 +45,10 @@ with no Python warning raised during the run.
             positive site under the fit divided by the NUTS (reference) median (min-max over its coordinates);
             ok = gap <= 1 nat and, on the regressions with an unknown noise scale, pos/NUTS within 5%.
             'silent failures' lists the runs that are not ok and raised no warning.
+  expfam, von, newton, laplace: see bench/robustness_rows.py (ExpFamilyGuide + nb.BLR() against the same
+            guide's Adam optimum; the Table-1 presets with AutoMultivariateNormal against nb.BLR() and ELBO*).
 
-Run: python bench/bench_robustness.py [--quick] [--cases a,b] [--steps N] [--float32] [--rows blr,liegroup]
+Run: python bench/bench_robustness.py [--quick] [--cases a,b] [--steps N] [--float32] [--rows blr,liegroup,expfam,von,newton,laplace]
 """
 
 import argparse
@@ -395,8 +397,11 @@ def liegroup_rows(selected, args, t_start):
     print(f"liegroup wall time {time.perf_counter() - t_start:.0f} s")
 
 
-ROWS = ("blr", "liegroup")
 ROW_RUNNERS = {"liegroup": liegroup_rows}
+import robustness_rows  # noqa: E402 - the other entry points (expfam, von, newton, laplace)
+
+ROW_RUNNERS.update(robustness_rows.ROW_RUNNERS)
+ROWS = ("blr",) + tuple(ROW_RUNNERS)
 
 
 if __name__ == "__main__":

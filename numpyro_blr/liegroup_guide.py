@@ -803,7 +803,7 @@ def liegroup_fit_report(result, optimizer):
             f"site(s) {collapsed}: the posterior there is degenerate (a hierarchical scale going to 0) or the scale "
             f"step over-shot. Reparameterise the site (LocScaleReparam for a hierarchical scale) or {smaller}.")
         keys.append(("lie-collapsed", steps) + tuple(collapsed))
-    return rep._replace(problems=problems, problem_keys=keys, collapsed=collapsed)
+    return rep._replace(problems=problems, problem_keys=keys, collapsed=collapsed, name="nb.LieGroupBLR")
 
 
 def _report(state, optimizer):

@@ -168,10 +168,11 @@ class FitReport(NamedTuple):
     damped_steps: int = 0  # mean steps shortened by backtracking
     damped_recent: float = 0.0  # recent fraction of such steps (exponential average, weight 0.05)
     ill_conditioned: dict = {}  # scale parameter -> condition number of the correlations it carries (dtype-limited)
+    name: str = "nb.BLR"  # the optimizer the run used (its header line)
 
     def __str__(self):
         lines = [
-            f"nb.BLR fit: {self.steps} steps, step size now {self.step_size:.3g}, loss average {self.loss_average:.6g} "
+            f"{self.name} fit: {self.steps} steps, step size now {self.step_size:.3g}, loss average {self.loss_average:.6g} "
             f"(best {self.loss_best:.6g}, noise sd {self.loss_sd:.3g}), {self.skipped_steps} skipped step(s), "
             f"{self.damped_steps} mean step(s) shortened by backtracking"
         ]
@@ -277,6 +278,10 @@ def fit_report(result, optimizer=None, guide=None):
     from numpyro_blr.optim import BLR  # local: optim imports this module lazily
 
     step, s = _opt_state(result)
+    if optimizer is None and type(s.algorithm).__name__ == "LieSVIState":  # a LieGroupBLR run: its own report
+        from numpyro_blr.liegroup_guide import LieGroupBLR, liegroup_fit_report
+
+        return liegroup_fit_report(result, LieGroupBLR(guide=guide))
     optimizer = optimizer or BLR()
     if guide is not None and guide is not getattr(optimizer, "guide", None):  # the optimizer's own guide is read
         check_guide_params(guide, s.params, "fit_report", unconstrained=True)  # by its layout: no extra trace
