@@ -9,7 +9,9 @@ standard errors
     mcse_sd   = sqrt((kurtosis - 1) / (4 ESS_sq))  (of the sd, relative; ESS_sq: ESS of the squared
                                                     centred draws; = 1/sqrt(2 ESS) for a Gaussian)
 
-The tests read this file instead of rerunning NUTS. Run: python bench/make_robustness_refs.py [--all]
+The tests read this file instead of rerunning NUTS. Run: python bench/make_robustness_refs.py [--all];
+``--cases a,b`` computes the named cases (fast or not) and merges them into the existing file, keeping
+the other entries (NUTS draws are cached on disk: see robustness_cases).
 """
 
 import argparse
@@ -61,6 +63,7 @@ def case_entry(case):
         "source": case.source,
         "method": diag.get("method", ""),
         "near_gaussian": case.near_gaussian,
+        "fast": case.fast,
         "n_chains": int(n_chains),
         "n_draws": int(n_chains * n_draws),
         "max_rhat": round(diag.get("max_rhat", float("nan")), 5),
@@ -72,9 +75,13 @@ def case_entry(case):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--all", action="store_true", help="all cases, not only the fast ones")
+    ap.add_argument("--cases", default=None, help="comma-separated case names, merged into the existing file")
     ap.add_argument("--out", default=OUT)
     args = ap.parse_args()
-    selected = [c for c in rc.cases() if args.all or c.fast]
+    if args.cases:
+        selected = [rc.get(n) for n in args.cases.split(",")]
+    else:
+        selected = [c for c in rc.cases() if args.all or c.fast]
     if not rc.posteriordb_available():
         print("warning: ../shared/posteriordb is missing: its cases are left out of the file", file=sys.stderr)
     data = {
@@ -88,6 +95,11 @@ def main():
         },
         "cases": {},
     }
+    if args.cases and os.path.exists(args.out):  # merge: keep the other cases' entries
+        with open(args.out) as f:
+            old = json.load(f)
+        data["cases"] = old.get("cases", {})
+        data["meta"]["description"] = old.get("meta", {}).get("description", data["meta"]["description"])
     for c in selected:
         data["cases"][c.name] = e = case_entry(c)
         worst = max(max(s["mcse_mean"]) for s in e["sites"].values())

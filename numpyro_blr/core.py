@@ -36,6 +36,7 @@ Names used across the package (one concept, one name):
 from __future__ import annotations
 
 import math
+import os
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -144,3 +145,64 @@ def check_params(params, what="params"):
             "cast all parameters to one floating dtype."
         )
     return leaves[0].dtype
+
+
+# ----------------------------------------------------------------------------- LAPACK threads
+
+LAPACK_THREADS_ENV = "NUMPYRO_BLR_LAPACK_THREADS"
+
+
+def limit_lapack_threads(threads=None):
+    r"""Run the LAPACK that jaxlib's CPU kernels call on ``threads`` threads (default 1); returns the
+    ``{library path: previous thread count}`` changed (empty when nothing was found or changed).
+
+    On CPU, every ``jnp.linalg.cholesky``, ``solve_triangular``, ``eigh``, ... inside a jitted
+    program is a call into scipy's bundled OpenBLAS (jaxlib reads its LAPACK from
+    ``scipy.linalg.cython_lapack``), which by default wakes a pool of one thread per core for each
+    call. The matrices of a BLR step are small (a guide's :math:`D \times D` blocks, a model's GP
+    kernel), so the call is all hand-off: on ``gp_pois_regr`` (an 11 x 11 Cholesky in the model,
+    13 x 13 triangular solves in the update, float64, ``AutoNormal``) a step took 2.0 ms with the
+    pool and 0.13 ms without, on the 2-core development machine under load (min over 15 rounds
+    of 50 steps); every backtracking try (one loss evaluation, hence one Cholesky) added about
+    10 ms in the issue's measurement. The 16-core host of the GPU machine, idle, took 1.7-5.2 ms
+    with the pool. One thread is the right setting for the small matrices a jitted step sends
+    there; a program that does large dense linear algebra with scipy on the same process can set
+    ``NUMPYRO_BLR_LAPACK_THREADS`` (an int; ``0`` leaves the pool alone) before importing
+    ``numpyro_blr``, or call this function again with the count it wants. NumPy's own BLAS
+    (matrix products) is a separate library in the wheels and is not touched; jax's CPU matrix
+    products do not use either. Does nothing (returns ``{}``) without ``threadpoolctl``.
+    """
+    if threads is None:
+        raw = os.environ.get(LAPACK_THREADS_ENV, "1").strip()
+        try:
+            threads = int(raw)
+        except ValueError:
+            raise ValueError(f"{LAPACK_THREADS_ENV} must be an integer >= 0 (0: leave LAPACK's threads alone), "
+                             f"got {raw!r}.") from None
+    if isinstance(threads, bool) or not isinstance(threads, (int, np.integer)) or threads < 0:
+        raise ValueError(f"threads must be an integer >= 0 (0: leave LAPACK's threads alone), got {threads!r}.")
+    if threads == 0:
+        return {}
+    try:
+        import scipy.linalg.cython_lapack  # noqa: F401 - the LAPACK jaxlib calls: load it so it can be found
+        from threadpoolctl import ThreadpoolController
+        controllers = [c for c in ThreadpoolController().lib_controllers if c.user_api == "blas"]
+    except Exception:  # noqa: BLE001 - no scipy/threadpoolctl, or a library threadpoolctl cannot read
+        return {}
+    # scipy's bundled OpenBLAS (wheels: site-packages/scipy.libs); a shared system library otherwise
+    ours = [c for c in controllers if "scipy" in os.path.basename(os.path.dirname(c.filepath))] or (
+        controllers if len(controllers) == 1 else [])
+    changed = {}
+    for c in ours:
+        if c.num_threads != threads:
+            changed[c.filepath] = c.num_threads
+            c.set_num_threads(int(threads))
+    return changed
+
+
+try:  # at import: the first jitted step must not pay the thread hand-off (limit_lapack_threads)
+    limit_lapack_threads()
+except ValueError as err:  # a malformed environment variable is reported, not fatal to the import
+    import warnings
+
+    warnings.warn(str(err), stacklevel=2)

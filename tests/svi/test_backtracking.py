@@ -128,3 +128,72 @@ def test_report_names_steps_still_shortened_at_the_end():
     done = (step, s._replace(algorithm=s.algorithm._replace(trace=calm._replace(damped_recent=jnp.asarray(0.1)))))
     assert any("shortened by backtracking" in p for p in nb.fit_report(still).problems)
     assert not any("shortened by backtracking" in p for p in nb.fit_report(done).problems)
+
+
+_THREADS_PROBE = """
+import json, os
+import numpyro_blr
+from numpyro_blr.core import limit_lapack_threads
+from threadpoolctl import ThreadpoolController
+import scipy.linalg.cython_lapack
+blas = [c for c in ThreadpoolController().lib_controllers if c.user_api == "blas" and "scipy.libs" in c.filepath]
+print(json.dumps([c.num_threads for c in blas]))
+"""
+
+
+def _probe(env):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    full = {k: v for k, v in os.environ.items() if k not in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS")}
+    full.update(env)
+    out = subprocess.run([sys.executable, "-c", _THREADS_PROBE], env=full, capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _scipy_blas_threads():
+    from threadpoolctl import ThreadpoolController
+    import scipy.linalg.cython_lapack  # noqa: F401 - jaxlib's CPU LAPACK
+
+    return [c.num_threads for c in ThreadpoolController().lib_controllers
+            if c.user_api == "blas" and "scipy.libs" in c.filepath]
+
+
+def test_lapack_that_jax_calls_runs_single_threaded():
+    """Every backtracking try of gp_pois_regr evaluates the model's Cholesky, a call into scipy's
+    OpenBLAS (jaxlib's CPU LAPACK); with its default pool of one thread per core each such call on a
+    small matrix is all thread hand-off (2.0 -> 0.13 ms per step on the 2-core machine under load,
+    docs/robustness.md). Importing numpyro_blr sets that pool to one thread. Device-independent:
+    the thread count, not a timing."""
+    pytest.importorskip("threadpoolctl")
+    counts = _scipy_blas_threads()
+    if not counts:
+        pytest.skip("no scipy-bundled OpenBLAS in this environment (a system LAPACK)")
+    assert counts == [1] * len(counts), counts
+
+
+@pytest.mark.slow
+def test_lapack_threads_environment_variable_leaves_the_pool_alone():
+    """NUMPYRO_BLR_LAPACK_THREADS=0: a process that wants scipy's threads keeps them (two fresh imports)."""
+    pytest.importorskip("threadpoolctl")
+    import os
+
+    if (os.cpu_count() or 1) < 2:
+        pytest.skip("one core: the default pool has one thread already")
+    counts = _probe({})
+    if not counts:
+        pytest.skip("no scipy-bundled OpenBLAS in this environment (a system LAPACK)")
+    assert counts == [1] * len(counts), counts
+    assert max(_probe({"NUMPYRO_BLR_LAPACK_THREADS": "0"})) > 1
+
+
+def test_lapack_threads_argument_is_checked():
+    from numpyro_blr.core import limit_lapack_threads
+
+    with pytest.raises(ValueError, match="threads must be an integer >= 0"):
+        limit_lapack_threads(-1)
+    with pytest.raises(ValueError, match="threads must be an integer >= 0"):
+        limit_lapack_threads(1.5)
+    assert limit_lapack_threads(0) == {}
