@@ -5,17 +5,37 @@ Table-1 row or optax view per file), ``svi/`` (the SVI adapter and nb.BLR's beha
 (the NUTS run on breast cancer is computed once per worker); ``-m "not slow"`` is ``make test-fast``.
 """
 
+import importlib.metadata
 import os
 import pathlib
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-import numpyro
-import numpyro.distributions as dist
-import pytest
-from numpyro.infer import MCMC, NUTS
-from sklearn.datasets import load_breast_cancer, load_diabetes
+
+def _cpu_only():
+    """True where JAX can only use the CPU (CI, this machine): no CUDA/ROCm plugin is installed."""
+    if os.environ.get("JAX_PLATFORMS", "").strip().lower() == "cpu":
+        return True
+    names = (d.metadata.get("Name", "").lower().replace("_", "-") for d in importlib.metadata.distributions())
+    return not any(n.startswith(("jax-cuda", "jax-rocm", "jaxlib-cuda")) for n in names)
+
+
+# On the CPU the suite is compile-bound (about 80% of its time in XLA, most of that in LLVM's
+# optimisation of programs that then run a few hundred steps on tiny models): LLVM at -O0 takes
+# about a quarter off the suite's CPU time (tests/svi/test_averaging.py + tests/rules: 61 -> 47 CPU-s)
+# with the same HLO and the same results; steps run about 1.5x slower, which tests do not time.
+# XLA_FLAGS is read when the backend starts (the first array), so setting it here is in time; a user's
+# own XLA_FLAGS are kept, and NUMPYRO_BLR_TEST_FULL_OPT=1 turns this off. Not on a GPU machine.
+if _cpu_only() and os.environ.get("NUMPYRO_BLR_TEST_FULL_OPT", "") != "1" \
+        and "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import numpyro  # noqa: E402
+import numpyro.distributions as dist  # noqa: E402
+import pytest  # noqa: E402
+from numpyro.infer import MCMC, NUTS  # noqa: E402
+from sklearn.datasets import load_breast_cancer, load_diabetes  # noqa: E402
 
 # JAX's persistent compilation cache. The suite spends most of its time in XLA compilation (about
 # 80%: measured with jax.monitoring's backend_compile_duration), so a second run on the same

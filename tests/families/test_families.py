@@ -404,6 +404,7 @@ def test_plain_update_can_leave_the_domain():
     assert bool(Gamma.is_valid(Gamma.blr_update(lam, bad, 0.5, improved=True)))
 
 
+@pytest.mark.slow
 def test_quadrature_rules_are_exact_for_the_statistics():
     """Each family's quadrature rule (message passing's expectations): sum_j w_j T(x_j) = mu, and autodiff through
     the rule gives grad_mu of E_q[c . T(x)] = c exactly (float64), also far from the defaults (large shapes)."""

@@ -286,6 +286,7 @@ def test_unread_module_placeholder_is_passed_through():
     np.testing.assert_allclose(np.ravel(result.params["net/weight_auto_loc"]), mean[:D], atol=1e-3)
 
 
+@pytest.mark.slow
 def test_read_module_placeholder_needs_fallback():
     net_model = _random_eqx_model({"weight": dist.Normal(0.0, 1.0)})  # the bias has no prior
     svi = SVI(net_model, AutoNormal(net_model), nb.BLR(), Trace_ELBO())

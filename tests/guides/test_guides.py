@@ -237,6 +237,7 @@ def test_score_function_blr_reaches_the_exact_posterior_within_monte_carlo_error
     assert np.max(np.abs(jax.nn.sigmoid(lam) - jax.nn.sigmoid(lam_star))) < 0.1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model", [mixed_model, categorical_model], ids=["bernoulli_among_others", "categorical"])
 def test_enumerated_losses_equal_substituting_the_value(model):
     """nb.BLR sets element j of a discrete site to k through the parameters (certain logits), with no
@@ -292,6 +293,7 @@ def test_enumerated_losses_equal_substituting_the_value(model):
 # ---------------------------------------------------------------- bad input
 
 
+@pytest.mark.slow
 def test_continuous_site_without_family_gets_a_gaussian_and_flat_priors_work():
     """A continuous support without a family of its own (interval(2, 5), greater_than(1)) gets a Gaussian
     on the unconstrained value, as AutoNormal gives every site, and a flat prior (ImproperUniform,

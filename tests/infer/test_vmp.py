@@ -80,6 +80,7 @@ def test_plate_of_groups_is_exact_in_one_vectorised_step():
     assert rel(res.elbo, log_z) < 1e-10
 
 
+@pytest.mark.slow
 def test_mixture_elbo_never_decreases_and_sweep_does_not_grow_with_n():
     """VMP on a Gaussian mixture: the ELBO is non-decreasing over sweeps; the assignments' and the likelihood's
     factors take the shrunk O(N K) path; the sweep's program is the same size for N = 60 and N = 6,000 (no Python
@@ -101,6 +102,7 @@ def test_mixture_elbo_never_decreases_and_sweep_does_not_grow_with_n():
     assert size(60) == size(6000)
 
 
+@pytest.mark.slow
 def test_normal_gamma_and_beta_bernoulli_sites_in_plates_never_decrease():
     """Several families in plates (per-group Normal means with a shared Gamma precision, per-group Beta rates):
     the ELBO of Gauss-Seidel sweeps never decreases."""
@@ -129,6 +131,7 @@ def test_normal_gamma_and_beta_bernoulli_sites_in_plates_never_decrease():
     assert rel(q.concentration1, 1 + succ) < 1e-10 and rel(q.concentration0, 1 + np.bincount(g, minlength=groups) - succ) < 1e-10
 
 
+@pytest.mark.slow
 def test_results_convert_with_to_datatree():
     import numpyro_blr as nb
 

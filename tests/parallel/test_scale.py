@@ -112,6 +112,7 @@ def test_message_passing_stochastic_vi_mixture_four_devices_equal_one(fits):
     assert elbo.replace(" ", "") == "(f32[],f32[])", r
 
 
+@pytest.mark.slow
 def test_optax_view_equinox_four_devices_equal_one(fast):
     r = fast["eqx_ivon"]
     assert r["max_diff"] <= FLOAT_TOL * max(1.0, r["scale"]), r

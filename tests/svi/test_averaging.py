@@ -145,6 +145,7 @@ def _nan_model(X, y=None, broken=False):
     numpyro.sample("y", dist.Bernoulli(logits=X @ w), obs=y)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stable", [False, True])
 def test_a_skipped_step_leaves_the_average(small_logistic, stable):
     X, y = small_logistic

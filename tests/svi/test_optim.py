@@ -30,6 +30,7 @@ def _exact_linear_posterior(X, y, noise, prior_scale):
     return cov @ X.T @ y / noise**2, cov
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("guide_cls", [AutoMultivariateNormal, AutoDelta])
 def test_newton_one_step_is_exact_on_linear_regression(diabetes_np, guide_cls):
     """One nb.newton(lr=1) step = the closed-form posterior (Gaussian linear model, known noise)."""
@@ -52,6 +53,7 @@ def test_newton_one_step_is_exact_on_linear_regression(diabetes_np, guide_cls):
             np.testing.assert_allclose(np.linalg.inv(blr_state.algorithm.point_precision), cov, rtol=1e-5, atol=1e-10)
 
 
+@pytest.mark.slow
 def test_sampled_exact_hessian_is_exact_after_two_steps_on_quadratic_loss():
     """Exact Hessian at a sample, lr=1: step 1 sets S = H (constant for a quadratic loss); from then
     on the control variate S (z - m) cancels the sampling noise of the gradient exactly, so step 2

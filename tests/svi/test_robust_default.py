@@ -84,6 +84,7 @@ def test_unfinished_run_says_so_and_names_the_site(uncentred_data):
     assert "beta_auto_loc" in report.unconverged and not report.diverged
 
 
+@pytest.mark.slow
 def test_report_names_sites_inside_a_multivariate_guide(uncentred_data):
     x, y = uncentred_data
     with jax.enable_x64(True):
@@ -146,6 +147,7 @@ def test_collapsed_variance_is_reported():
     assert any("collapsed" in m and "x_auto_scale" in m for m in messages), messages
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("guide_cls, scale", [(AutoMultivariateNormal, "auto_scale_tril"), (AutoNormal, "w_auto_scale")])
 def test_correlations_beyond_the_dtype_are_reported(guide_cls, scale):
     """Two predictors equal up to noise of sd 2e-5 (flat prior): the posterior's correlation matrix has condition
