@@ -147,6 +147,30 @@ def check_params(params, what="params"):
     return leaves[0].dtype
 
 
+
+def backtracking_factor(value, loss0, shrink=0.25, tries=8):
+    r"""The damping :math:`\alpha` of a step: the first of :math:`1, s, s^2, \dots, s^{k-1}` (``shrink`` :math:`s`,
+    ``tries`` :math:`k`) at which ``value(alpha)`` is finite and does not rise above ``loss0`` (up to 4 ulps of it),
+    and 0 when none does (backtracking line search; Nocedal & Wright 2006, Sec. 3.1). One ``value`` call per try,
+    inside a ``lax.while_loop`` that stops at the first accepted factor. Shared by ``nb.BLR``'s mean step and
+    ``nb.LieGroupBLR``'s shift."""
+    loss0 = jnp.asarray(loss0)
+    tol = 4.0 * jnp.finfo(loss0.dtype).eps * jnp.abs(loss0)
+
+    def cond(c):
+        k, _, accepted = c
+        return (~accepted) & (k < tries)
+
+    def body(c):
+        k, _, _ = c
+        alpha = jnp.asarray(shrink, loss0.dtype) ** k
+        val = value(alpha)
+        return k + 1, alpha, jnp.isfinite(val) & (val <= loss0 + tol)
+
+    start = (jnp.zeros((), jnp.int32), jnp.ones((), loss0.dtype), jnp.zeros((), bool))
+    _, alpha, accepted = jax.lax.while_loop(cond, body, start)
+    return jnp.where(accepted, alpha, 0.0)
+
 # ----------------------------------------------------------------------------- LAPACK threads
 
 LAPACK_THREADS_ENV = "NUMPYRO_BLR_LAPACK_THREADS"

@@ -69,7 +69,7 @@ from numpyro.optim import _value_and_grad
 from numpyro_blr.families.registry import base_support
 from numpyro_blr.layout import GuideLayoutError, Layout
 from numpyro_blr.rules import liegroup as lie
-from numpyro_blr.core import value_at
+from numpyro_blr.core import backtracking_factor, value_at
 from numpyro_blr.report import COLLAPSE_EPS, DAMPED_FRACTION, MIN_STEPS, FitTrace, fit_report, next_trace
 from numpyro_blr.rules.schedules import adaptive_decay
 from numpyro_blr.svi import GuideAlgorithm, GuideOptimizer, GuideStep
@@ -434,7 +434,6 @@ def _backtrack(fn, params, delta, loss, control=None, shrink=0.25, tries=BACKTRA
     is a Newton step on :math:`\phi(b') = f(b') - (b' - b)^\top c`, whose expectation is :math:`f`'s, and
     :math:`\phi` is compared (``nb.BLR._backtrack``). One loss evaluation per try (Nocedal & Wright 2006, Sec. 3.1)."""
     loss0 = jnp.asarray(loss)
-    tol = 4.0 * jnp.finfo(loss0.dtype).eps * jnp.abs(loss0)
     control = control or {}
     slope = sum((jnp.sum(delta[n] * c).astype(loss0.dtype) for n, c in control.items()), jnp.zeros((), loss0.dtype))
 
@@ -444,19 +443,7 @@ def _backtrack(fn, params, delta, loss, control=None, shrink=0.25, tries=BACKTRA
             p[n] = params[n] + alpha.astype(params[n].dtype) * d
         return jnp.asarray(fn(p)[0], loss0.dtype) - alpha * slope
 
-    def cond(c):
-        k, _, accepted = c
-        return (~accepted) & (k < tries)
-
-    def body(c):
-        k, _, _ = c
-        alpha = jnp.asarray(shrink, loss0.dtype) ** k
-        val = value(alpha)
-        return k + 1, alpha, jnp.isfinite(val) & (val <= loss0 + tol)
-
-    start = (jnp.zeros((), jnp.int32), jnp.ones((), loss0.dtype), jnp.zeros((), bool))
-    _, alpha, accepted = lax.while_loop(cond, body, start)
-    return jnp.where(accepted, alpha, 0.0)
+    return backtracking_factor(value, loss0, shrink, tries)
 
 
 def _shift_blocks(layout):

@@ -40,6 +40,7 @@ from jax import lax
 from jax.scipy.linalg import solve_triangular
 
 from numpyro_blr import expfam_blocks
+from numpyro_blr.core import backtracking_factor
 from numpyro_blr.estimators import HESSIANS, at_mean, estimate, hoist_constant_work
 from numpyro_blr.layout import DIAGONAL, EXPFAM, FULL, POINT, apply_transform
 from numpyro_blr.parallel import check_guide_memory
@@ -510,7 +511,6 @@ class BLR(GuideOptimizer):
         at = (lambda p: at_mean(p, mean_layout)) if mean_layout else (lambda p: p)
         loss0 = jnp.asarray(loss)
         slope = sum((jnp.sum(delta[n] * control[n]) for n in control), jnp.zeros((), loss0.dtype))
-        tol = 4.0 * jnp.finfo(loss0.dtype).eps * jnp.abs(loss0)
 
         def value(alpha):
             p = dict(params)
@@ -518,19 +518,7 @@ class BLR(GuideOptimizer):
                 p[n] = params[n] + alpha.astype(params[n].dtype) * delta[n]
             return jnp.asarray(fn(at(p))[0], loss0.dtype) - alpha * slope
 
-        def cond(c):
-            k, _, accepted = c
-            return (~accepted) & (k < tries)
-
-        def body(c):
-            k, _, _ = c
-            alpha = jnp.asarray(shrink, loss0.dtype) ** k
-            val = value(alpha)
-            return k + 1, alpha, jnp.isfinite(val) & (val <= loss0 + tol)
-
-        start = (jnp.zeros((), jnp.int32), jnp.ones((), loss0.dtype), jnp.zeros((), bool))
-        _, alpha, accepted = lax.while_loop(cond, body, start)
-        return jnp.where(accepted, alpha, 0.0)
+        return backtracking_factor(value, loss0, shrink, tries)
 
     def _joint_mean_step(self, joint, params, stats, hess, s, lr, t, new_params, new_mom, direction, whitened_grad, control):
         r"""Mean step of the diagonal blocks preconditioned by a dense precision :math:`P` across them.
