@@ -278,10 +278,11 @@ def fit_report(result, optimizer=None, guide=None):
     from numpyro_blr.optim import BLR  # local: optim imports this module lazily
 
     step, s = _opt_state(result)
-    if optimizer is None and type(s.algorithm).__name__ == "LieSVIState":  # a LieGroupBLR run: its own report
-        from numpyro_blr.liegroup_guide import LieGroupBLR, liegroup_fit_report
+    if optimizer is None:  # a LieGroupBLR run gets its own report
+        from numpyro_blr.liegroup_guide import LieGroupBLR, LieSVIState, liegroup_fit_report
 
-        return liegroup_fit_report(result, LieGroupBLR(guide=guide))
+        if isinstance(s.algorithm, LieSVIState):
+            return liegroup_fit_report(result, LieGroupBLR(guide=guide))
     optimizer = optimizer or BLR()
     if guide is not None and guide is not getattr(optimizer, "guide", None):  # the optimizer's own guide is read
         check_guide_params(guide, s.params, "fit_report", unconstrained=True)  # by its layout: no extra trace
