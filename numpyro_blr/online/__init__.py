@@ -15,5 +15,15 @@ deep-learning rows: ``nb.ivon(..., prior=...)``.
 """
 
 from numpyro_blr.online.kalman import KalmanResult, StateSpaceModelError, kalman_filter, kalman_smoother
+from numpyro_blr.online.merge import gaussian_product, merge, posterior_precision, task_arithmetic
 
-__all__ = ["KalmanResult", "StateSpaceModelError", "kalman_filter", "kalman_smoother"]
+__all__ = [
+    "KalmanResult",
+    "StateSpaceModelError",
+    "gaussian_product",
+    "kalman_filter",
+    "kalman_smoother",
+    "merge",
+    "posterior_precision",
+    "task_arithmetic",
+]
