@@ -72,6 +72,7 @@ __all__ = [
     "bsam",
     "deep",
     "diagnostics",
+    "online",
     "infer",
     "mixture",
     "mixture_blr",
@@ -118,7 +119,7 @@ __all__ = [
 ]
 __version__ = "0.1.0"
 
-_LAZY_SUBMODULES = ("diagnostics", "workflow")
+_LAZY_SUBMODULES = ("diagnostics", "online", "workflow")
 
 
 def __getattr__(name):

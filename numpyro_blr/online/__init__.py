@@ -16,14 +16,23 @@ deep-learning rows: ``nb.ivon(..., prior=...)``.
 
 from numpyro_blr.online.kalman import KalmanResult, StateSpaceModelError, kalman_filter, kalman_smoother
 from numpyro_blr.online.merge import gaussian_product, merge, posterior_precision, task_arithmetic
+from numpyro_blr.online.prior import PRIOR_FACTOR, Prior, PriorError, as_prior, with_prior
+from numpyro_blr.online.stream import BatchReport, Stream
 
 __all__ = [
+    "BatchReport",
     "KalmanResult",
+    "PRIOR_FACTOR",
+    "Prior",
+    "PriorError",
     "StateSpaceModelError",
+    "Stream",
+    "as_prior",
     "gaussian_product",
     "kalman_filter",
     "kalman_smoother",
     "merge",
     "posterior_precision",
     "task_arithmetic",
+    "with_prior",
 ]
