@@ -4,28 +4,42 @@ Rows over a NumPyro guide return a :class:`~numpyro_blr.BLR` (an SVI optimizer);
 network's weights return an :class:`~numpyro_blr.core.Algorithm` (``init``/``step``/``sample``,
 with ``nb.as_optax`` for Flax/Equinox loops and ``nb.IVON``/``nb.LieGroupBLR`` for SVI).
 
-============================  ===========================  ====================================  =====================
-row                           posterior family             estimator (natural-gradient approx.)  rule
-============================  ===========================  ====================================  =====================
-:func:`gradient_descent`      Gaussian, fixed covariance   delta method, no Hessian              BLR mean step
-:func:`newton`                Gaussian (full)              delta method, exact Hessian           plain BLR
-:func:`laplace`               Gaussian (full)              Newton to the mode, ``lr = 1``        plain BLR
-:func:`von`                   Gaussian                     sampled Hessian (Price)               improved BLR
-:func:`ivon`                  diagonal Gaussian            Price with weight noise               improved, diagonal
-:func:`vogn`                  diagonal Gaussian            per-example Gauss-Newton at a sample  plain, diagonal
-:func:`ogn`                   diagonal Gaussian            per-example Gauss-Newton at the mean  plain, diagonal
-:func:`bsam`                  diagonal Gaussian            sharpness-aware gradient              plain, diagonal
-:func:`adam_blr`              diagonal Gaussian            squared gradient, delta               square-root, diagonal
-:func:`rmsprop_blr`           diagonal Gaussian            squared gradient, delta               square-root, diagonal
-:func:`sgd_blr`               Gaussian, fixed covariance   gradient, delta                       mean step
-:func:`mixture_blr`           mixture of Gaussians         responsibility-weighted Monte Carlo   natural, per component
-:func:`multimodal_            mixture of Gaussians         delta method at each component        natural, per component
-optimization`
-:func:`bayesbinn`             Bernoulli (:math:`\pm1`)     Gumbel-softmax relaxation             natural (Bernoulli)
-:func:`lie_additive`          additive group x any q0      reparameterisation                    exponential map
-:func:`lie_multiplicative`    multiplicative group x q0    reparameterisation                    exponential map
-:func:`lie_affine`            diagonal affine group x q0   reparameterisation                    exponential map
-============================  ===========================  ====================================  =====================
+===============================  ==========================  ====================================  ======================
+row                              posterior family            estimator (natural-gradient approx.)  rule
+===============================  ==========================  ====================================  ======================
+:func:`gradient_descent`         Gaussian, fixed covariance  delta method, no Hessian              BLR mean step
+:func:`newton`                   Gaussian (full)             delta method, exact Hessian           plain BLR
+:func:`laplace`                  Gaussian (full)             Newton to the mode, ``lr = 1``        plain BLR
+:func:`von`                      Gaussian                    sampled Hessian (Price)               improved BLR
+:func:`ivon`                     diagonal Gaussian           Price with weight noise               improved, diagonal
+:func:`vogn`                     diagonal Gaussian           per-example Gauss-Newton at a sample  plain, diagonal
+:func:`ogn`                      diagonal Gaussian           per-example Gauss-Newton at the mean  plain, diagonal
+:func:`bsam`                     diagonal Gaussian           sharpness-aware gradient              plain, diagonal
+:func:`adam_blr`                 diagonal Gaussian           squared gradient, delta               square-root, diagonal
+:func:`rmsprop_blr`              diagonal Gaussian           squared gradient, delta               square-root, diagonal
+:func:`sgd_blr`                  Gaussian, fixed covariance  gradient, delta                       mean step
+:func:`mixture_blr`              mixture of Gaussians        responsibility-weighted Monte Carlo   natural, per component
+:func:`multimodal_optimization`  mixture of Gaussians        delta method at each component        natural, per component
+:func:`bayesbinn`                Bernoulli (:math:`\pm1`)    Gumbel-softmax relaxation             natural (Bernoulli)
+:func:`lie_additive`             additive group x any q0     reparameterisation                    exponential map
+:func:`lie_multiplicative`       multiplicative group x q0   reparameterisation                    exponential map
+:func:`lie_affine`               diagonal affine group x q0  reparameterisation                    exponential map
+===============================  ==========================  ====================================  ======================
+
+Online Bayes (:mod:`numpyro_blr.online`): the posterior of one batch, time step or task is the prior of the next,
+with the BLR's ``rho = 1`` (Bayes' rule on a stream):
+
+======================================  ===========================  ====================================  ==========================
+row                                     posterior family             estimator (natural-gradient approx.)  rule
+======================================  ===========================  ====================================  ==========================
+``online.Stream(model, "conjugate")``   conjugate exp. families      exact expectations (VMP messages)     ``rho = 1`` per batch
+``online.Stream(model, guide)``         the guide's Gaussian         ``nb.BLR()``'s (or any optimizer's)   BLR fit per batch
+``online.kalman_filter``                Gaussian (full), per time    delta + exact Hessian: Kalman         ``rho = 1`` after predict
+                                                                     Gauss-Newton: (iterated) EKF
+                                                                     cubature: posterior linearisation
+``ivon(..., prior=...)``                diagonal Gaussian            Price with weight noise               improved, last task prior
+``online.merge``                        diagonal Gaussian, product   the tasks' posterior precisions       ``rho = 1`` (Bayes' rule)
+======================================  ===========================  ====================================  ==========================
 
 Exact Bayes and message passing (``rho = 1`` on conjugate factors) are in
 :func:`numpyro_blr.conjugate_fit` and :mod:`numpyro_blr.infer`.
@@ -140,7 +154,7 @@ def _noise_rng(noise_rng):
 
 def ivon(lr, ess=None, hess_init=1.0, beta1=0.9, beta2=0.99999, weight_decay=1e-4, mc_samples=1,
          hess_approx="price", clip_radius=float("inf"), rescale_lr=True, axis_name=None, vmap_samples=True,
-         noise_rng="hash", state_dtype=None) -> Algorithm:
+         noise_rng="hash", state_dtype=None, prior=None) -> Algorithm:
     r"""IVON, the improved variational online Newton method (Shen et al. 2024, Algorithm 1).
 
     Diagonal Gaussian :math:`\mathcal N(m, 1/(N(h+\delta)))` x Price estimator with weight noise
@@ -153,7 +167,15 @@ def ivon(lr, ess=None, hess_init=1.0, beta1=0.9, beta2=0.99999, weight_decay=1e-
     Mixed precision: bfloat16 or float16 parameters (and gradients) are accepted; the state (mean, precision,
     momentum) is then float32 and the loss sees the weights in the parameters' dtype. ``state_dtype`` overrides the
     state's dtype (float32 or wider; :func:`~numpyro_blr.tree.state_dtype`).
+
+    Continual learning: ``prior`` puts a Gaussian prior in the state that replaces the weight decay
+    (:class:`~numpyro_blr.rules.diagonal.DiagonalPrior`; True: the weight decay itself, as state). The previous task's
+    posterior is the next one's prior with ``state = algo.init(state.params, prior=state.as_prior(ess=n_prev))``: the
+    same jitted ``step`` trains every task. No prior (None) costs nothing.
     """
+    from numpyro_blr.rules.diagonal import check_prior_option
+
+    prior = check_prior_option(prior)
     ess, hess_init = _ess(ess), check_positive(hess_init, "hess_init")
     state_dtype = _state_dtype(state_dtype)
     delta = check_positive(weight_decay, "weight_decay", allow_zero=True)
@@ -164,21 +186,27 @@ def ivon(lr, ess=None, hess_init=1.0, beta1=0.9, beta2=0.99999, weight_decay=1e-
         lr_scale=hess_init + delta if rescale_lr else 1.0,
     )
     estimator = weights.price(ess, _count(mc_samples, "mc_samples"), hess_approx, vmap_samples, noise_rng)
-    return diagonal_algorithm(estimator, rule, hess_init + delta, ess, axis_name, noise_rng, state_dtype)
+    return diagonal_algorithm(estimator, rule, hess_init + delta, ess, axis_name, noise_rng, state_dtype, prior)
 
 
-def vogn(lr, ess=None, weight_decay=1e-4, beta1=0.9, beta2=0.999, hess_init=1.0, mc_samples=1, axis_name=None) -> Algorithm:
+def vogn(lr, ess=None, weight_decay=1e-4, beta1=0.9, beta2=0.999, hess_init=1.0, mc_samples=1, axis_name=None,
+         prior=None) -> Algorithm:
     r"""VOGN, variational online Gauss-Newton (Khan et al. 2018, eq. 12; Osawa et al. 2019).
 
     Diagonal Gaussian :math:`\mathcal N(\mu, 1/(N(s+\delta)))` x per-example Gauss-Newton at weight
     samples (``step(key, state, per_example_loss, *batch)``, batch arrays with a leading example axis)
     x the plain precision step (an average of squares is never negative), momentum with bias
-    correction and weight decay in the step. The state's ``precision`` is :math:`s + \delta`.
+    correction and weight decay in the step. The state's ``precision`` is :math:`s + \delta`. ``prior``: the
+    previous task's posterior as the prior (continual learning), as in :func:`ivon`.
     """
+    from numpyro_blr.rules.diagonal import check_prior_option
+
+    prior = check_prior_option(prior)
     ess, delta = _ess(ess), check_positive(weight_decay, "weight_decay", allow_zero=True)
     rule = DiagonalRule(_lr(lr), check_fraction(beta1, "beta1"), check_fraction(beta2, "beta2"), "plain", delta)
     estimator = weights.gauss_newton(ess, _count(mc_samples, "mc_samples"))
-    return diagonal_algorithm(estimator, rule, check_positive(hess_init, "hess_init") + delta, ess, axis_name)
+    return diagonal_algorithm(estimator, rule, check_positive(hess_init, "hess_init") + delta, ess, axis_name,
+                              prior=prior)
 
 
 def ogn(lr, weight_decay=1e-4, beta1=0.9, beta2=0.999, hess_init=1.0, axis_name=None) -> Algorithm:

@@ -33,6 +33,15 @@ SGD                         none (:math:`p = 1`)       --           heavy ball
 ==========================  =========================  ===========  ============================
 
 A step whose estimate or result is not finite is skipped: the state is kept and ``skipped`` counts it.
+
+**A Gaussian prior carried by the state (continual learning).** With a :class:`DiagonalPrior`
+:math:`\mathcal N(m_0, \operatorname{diag}(1/(N\delta_0)))` in ``state.prior`` (per-example precision
+:math:`\delta_0`, a vector), the weight decay is replaced by it: :math:`\hat h + \delta_0` in the precision step and
+:math:`\delta_0\odot(m - m_0)` for :math:`\delta m`. The posterior of task :math:`t`,
+:math:`\mathcal N(m_t, \operatorname{diag}(1/(N_t p_t)))`, as the prior of task :math:`t+1` (``ess`` :math:`N'`) is
+:math:`m_0 = m_t`, :math:`\delta_0 = N_t p_t / N'` (:meth:`DiagonalState.as_prior`; the rows' ``prior=`` option,
+``algorithm.init(params, prior=...)``). The prior's arrays are state, so a jitted step serves every task without
+recompiling; a state without a prior (``prior=None``, the default) takes exactly the step above.
 """
 
 from typing import Any, NamedTuple, Optional
@@ -45,6 +54,25 @@ from numpyro_blr.rules.blr import diagonal_precision_update
 from numpyro_blr.tree import FlatLayout
 
 
+class DiagonalPrior(NamedTuple):
+    r"""A diagonal Gaussian prior :math:`\mathcal N(m_0, \operatorname{diag}(1/(N_0\,\delta_0)))` over the weights.
+
+    ``mean``       :math:`m_0`: a flat vector (the state's layout), a pytree like the parameters, or a scalar;
+    ``precision``  :math:`\delta_0`, the per-example precision (like ``DiagonalState.precision``): same forms,
+                   every entry > 0;
+    ``ess``        :math:`N_0`, the number of examples ``precision`` is per (:math:`N_0\delta_0` is the prior's
+                   precision); None: the ``ess`` of the row it is given to.
+
+    :meth:`DiagonalState.as_prior` makes one from a fitted state (the posterior of the previous task); the weight
+    decay :math:`\delta` of a row is ``DiagonalPrior(0.0, delta)``. Inside a state (``state.prior``) both arrays are
+    flat, in the state's dtype, and per example of that row's ``ess`` (``ess`` None).
+    """
+
+    mean: Any
+    precision: Any
+    ess: Optional[float] = None
+
+
 class DiagonalState(NamedTuple):
     r"""State of a diagonal row: :math:`q = \mathcal N(m, \operatorname{diag}(1/(N p)))` over flat weights.
 
@@ -55,7 +83,9 @@ class DiagonalState(NamedTuple):
     ``momentum``   :math:`\bar g`, flat;
     ``count``      steps taken (skipped steps are not counted), int32;
     ``skipped``    how many steps were skipped for a non-finite estimate or result, int32;
-    ``layout``     the :class:`~numpyro_blr.tree.FlatLayout` of the weights (static).
+    ``layout``     the :class:`~numpyro_blr.tree.FlatLayout` of the weights (static);
+    ``prior``      None (the row's weight decay is the prior) or a :class:`DiagonalPrior` that replaces it
+                   (flat arrays, per example of the row's ``ess``): the rows' ``prior=`` option.
     """
 
     mean: jax.Array
@@ -64,6 +94,16 @@ class DiagonalState(NamedTuple):
     count: jax.Array
     skipped: jax.Array
     layout: FlatLayout
+    prior: Optional[DiagonalPrior] = None
+
+    def as_prior(self, ess=None):
+        r"""This state's :math:`q = \mathcal N(m, \operatorname{diag}(1/(N p)))` as a :class:`DiagonalPrior`, for the
+        next task (continual learning): mean :math:`m`, per-example precision :math:`p` at ``ess`` :math:`N` (the
+        ``ess`` of the row that fitted it; None: the same as the next row's). Pass it as
+        ``algorithm.init(params, prior=...)`` (or the rows' ``prior=``)."""
+        if ess is not None:
+            ess = _check_prior_ess(ess, "ess")
+        return DiagonalPrior(self.mean, self.precision, ess)
 
     @property
     def params(self):
@@ -111,6 +151,89 @@ def init_diagonal(params, precision_init, state_dtype=None):
     return DiagonalState(mean, jnp.full_like(mean, precision_init), jnp.zeros_like(mean), zero, zero, layout)
 
 
+def _check_prior_ess(ess, name):
+    from numpyro_blr.core import check_positive
+
+    return check_positive(ess, name)
+
+
+def _is_concrete(x):
+    return not isinstance(x, jax.core.Tracer)
+
+
+def _flat_prior_array(x, layout, dtype, name):
+    """``x`` (a scalar, a flat vector of ``layout.size`` entries or a pytree like the parameters) as a flat vector."""
+    size = layout.size
+    leaves, treedef = jax.tree.flatten(x)
+    if jax.tree_util.treedef_is_leaf(treedef):  # one array (or a number): a scalar, the flat vector or the one leaf
+        arr = jnp.asarray(leaves[0]) if leaves else None
+        if arr is not None and arr.ndim == 0:
+            return jnp.full((size,), arr, dtype)
+        if arr is not None and arr.shape == (size,):
+            return arr.astype(dtype)
+        if arr is not None and treedef == layout.treedef and (arr.shape,) == layout.shapes:
+            return jnp.reshape(arr, (-1,)).astype(dtype)
+        raise ValueError(
+            f"{name} has shape {None if arr is None else arr.shape}: it must be a scalar, a flat vector of {size} "
+            "entries (the parameters' layout, as DiagonalState.as_prior gives) or a pytree like the parameters."
+        )
+    if treedef != layout.treedef:
+        raise ValueError(f"{name} has the structure {treedef}, but the parameters have {layout.treedef}.")
+    shapes = tuple(tuple(jnp.shape(v)) for v in leaves)
+    if shapes != layout.shapes:
+        raise ValueError(f"{name} has leaves of shapes {shapes}, but the parameters have {layout.shapes}.")
+    flat = [jnp.reshape(jnp.asarray(v), (-1,)).astype(dtype) for v in leaves]
+    return flat[0] if len(flat) == 1 else jnp.concatenate(flat)
+
+
+def resolve_prior(prior, layout, dtype, ess):
+    """``prior`` (a :class:`DiagonalPrior`, or a :class:`DiagonalState` for its posterior at the row's ``ess``) as the
+    :class:`DiagonalPrior` a state carries: flat arrays in ``dtype``, the precision per example of ``ess`` (the
+    row's). Raises ``ValueError`` naming the argument for a mismatch with the parameters' layout or a precision
+    that is not positive and finite."""
+    if isinstance(prior, DiagonalState):
+        if prior.layout != layout:
+            raise ValueError(
+                f"prior: the state given as the prior has the layout {prior.layout.shapes}, but the parameters have "
+                f"{layout.shapes}."
+            )
+        prior = prior.as_prior()
+    if not isinstance(prior, DiagonalPrior):
+        raise ValueError(
+            "prior must be a DiagonalPrior (state.as_prior(ess=...) for a fitted state's posterior) or a "
+            f"DiagonalState, got {type(prior).__name__}."
+        )
+    mean = _flat_prior_array(prior.mean, layout, dtype, "prior.mean")
+    precision = _flat_prior_array(prior.precision, layout, dtype, "prior.precision")
+    if prior.ess is not None:
+        if ess is None:
+            raise ValueError("prior.ess is given but the row has no ess (a point estimate): leave prior.ess as None.")
+        prior_ess = _check_prior_ess(prior.ess, "prior.ess")
+        if prior_ess != ess:
+            precision = precision * jnp.asarray(prior_ess / ess, dtype)
+    if _is_concrete(mean) and not bool(jnp.all(jnp.isfinite(mean))):
+        raise ValueError("prior.mean must be finite.")
+    if _is_concrete(precision) and not bool(jnp.all(jnp.isfinite(precision) & (precision > 0))):
+        raise ValueError(
+            f"prior.precision must be positive and finite everywhere (smallest entry {float(jnp.min(precision))!r})."
+        )
+    return DiagonalPrior(mean, precision)
+
+
+def weight_decay_prior(mean, weight_decay):
+    r"""The weight decay :math:`\delta` as the prior a state carries: mean 0, per-example precision :math:`\delta`."""
+    return DiagonalPrior(jnp.zeros_like(mean), jnp.full_like(mean, weight_decay))
+
+
+def with_prior(state, prior, ess, weight_decay=0.0):
+    """``state`` carrying ``prior``: True for the weight-decay prior (the precision is kept), else
+    :func:`resolve_prior`'s, with the precision started at the prior's (the posterior starts as the prior)."""
+    if prior is True:
+        return state._replace(prior=weight_decay_prior(state.mean, weight_decay))
+    resolved = resolve_prior(prior, state.layout, state.mean.dtype, ess)
+    return state._replace(precision=resolved.precision, prior=resolved)
+
+
 def diagonal_update(rule: DiagonalRule, state: DiagonalState, grad, hessian=None, loss=jnp.nan):
     """One step of the rule from flat :math:`\\hat g` and :math:`\\hat h` (``hessian``, None when
     ``rule.beta2`` is None); returns ``(state, StepInfo(loss, skipped))``."""
@@ -118,12 +241,20 @@ def diagonal_update(rule: DiagonalRule, state: DiagonalState, grad, hessian=None
     dt = m.dtype
     t = state.count + 1
     alpha = value_at(rule.lr, state.count)
-    delta = rule.weight_decay
+    prior = state.prior
+    if prior is None:  # the weight decay: a scalar delta, N(0, 1/(N delta)); nothing when delta = 0
+        delta = rule.weight_decay
+        h_decay = delta if delta else None
+        g_decay = delta * m if delta else None
+    else:  # the state's prior N(m_0, 1/(N delta_0)) replaces it
+        h_decay = prior.precision
+        g_decay = prior.precision * (m - prior.mean)
     if rule.beta2 is not None:
-        p_new = diagonal_precision_update(p, hessian + delta if delta else hessian, 1.0 - rule.beta2, rule.positivity)
+        h = hessian if h_decay is None else hessian + h_decay
+        p_new = diagonal_precision_update(p, h, 1.0 - rule.beta2, rule.positivity)
     else:
         p_new = p
-    g = grad + delta * m if (rule.decay_in_momentum and delta) else grad
+    g = grad + g_decay if (rule.decay_in_momentum and g_decay is not None) else grad
     if rule.heavy_ball:  # optax.trace: g + beta1 * trace; nesterov steps along g + beta1 * new trace
         mom_new = g + rule.beta1 * mom if rule.beta1 else g
         direction = g + rule.beta1 * mom_new if rule.nesterov else mom_new
@@ -132,8 +263,8 @@ def diagonal_update(rule: DiagonalRule, state: DiagonalState, grad, hessian=None
         direction = mom_new
         if rule.debias and rule.beta1:
             direction = direction / (1.0 - jnp.asarray(rule.beta1, dt) ** t.astype(dt))
-    if delta and not rule.decay_in_momentum:
-        direction = direction + delta * m
+    if g_decay is not None and not rule.decay_in_momentum:
+        direction = direction + g_decay
     if rule.sqrt_precision:
         q = p_new / (1.0 - jnp.asarray(rule.beta2, dt) ** t.astype(dt)) if rule.debias_precision else p_new
         step = direction * jax.lax.rsqrt(q + rule.eps) if rule.eps_in_sqrt else direction / (jnp.sqrt(q) + rule.eps)
@@ -156,12 +287,13 @@ def diagonal_update(rule: DiagonalRule, state: DiagonalState, grad, hessian=None
         jnp.where(ok, t, state.count),
         state.skipped + jnp.where(ok, 0, 1).astype(jnp.int32),
         state.layout,
+        prior,
     )
     return new, StepInfo(loss, ~ok)
 
 
 def diagonal_algorithm(estimator, rule: DiagonalRule, precision_init, ess=None, axis_name=None, noise_rng="jax",
-                       state_dtype=None):
+                       state_dtype=None, prior=None):
     r"""A diagonal row as an :class:`~numpyro_blr.core.Algorithm`: ``step`` = ``estimator`` then
     :func:`diagonal_update`.
 
@@ -170,13 +302,21 @@ def diagonal_algorithm(estimator, rule: DiagonalRule, precision_init, ess=None, 
     (None: :math:`q` is a point mass at the mean, ``sample`` returns the mean). With ``axis_name``
     (inside ``shard_map``/``pmap``), each device folds its index into the key and the estimate is
     ``lax.pmean``-ed over that axis: one reduction per step. ``state_dtype``: :func:`init_diagonal`.
+
+    ``prior`` (None, True, a :class:`DiagonalPrior` or a :class:`DiagonalState`): the prior ``init`` puts in the
+    state (module docstring); ``init(params, prior=...)`` gives another one (the next task's) to the same algorithm,
+    so a jitted ``step`` is reused. True is the weight decay as a state-carried prior (mean 0, per-example
+    precision :math:`\delta`, the precision started at ``precision_init``); a given prior also starts the
+    precision at the prior's, and the mean at ``params``.
     """
     from jax import lax
 
     from numpyro_blr.tree import standard_normal
 
-    def init(params):
-        return init_diagonal(params, precision_init, state_dtype)
+    def init(params, prior=None):
+        state = init_diagonal(params, precision_init, state_dtype)
+        prior = prior if prior is not None else parts.prior
+        return state if prior is None else with_prior(state, prior, ess, rule.weight_decay)
 
     def update(state, estimate):
         return diagonal_update(rule, state, estimate.grad, estimate.hessian, estimate.loss)
@@ -201,7 +341,7 @@ def diagonal_algorithm(estimator, rule: DiagonalRule, precision_init, ess=None, 
 
     from numpyro_blr.core import Algorithm
 
-    parts = DiagonalParts(estimator, rule, precision_init, ess, noise_rng, axis_name, state_dtype)
+    parts = DiagonalParts(estimator, rule, precision_init, ess, noise_rng, axis_name, state_dtype, prior)
     return Algorithm(init=init, step=step, sample=sample, update=update, parts=parts)
 
 
@@ -215,11 +355,13 @@ class DiagonalParts(NamedTuple):
     noise_rng: str
     axis_name: Optional[str] = None  # the mapped axis (shard_map/pmap) over which each device draws its own sample
     state_dtype: Any = None  # the state's dtype (None: float32 for bfloat16/float16 parameters, else theirs)
+    prior: Any = None  # what init puts in the state: None, True (the weight decay), a DiagonalPrior or DiagonalState
 
 
 class TransformState(NamedTuple):
     """State of :func:`as_optax`'s transformation: a :class:`DiagonalState` without the mean (optax keeps
-    the parameters) and with the key of the current weight draw (:func:`perturbed`)."""
+    the parameters) and with the key of the current weight draw (:func:`perturbed`) and the prior
+    (``DiagonalState.prior``)."""
 
     precision: jax.Array
     momentum: jax.Array
@@ -227,6 +369,15 @@ class TransformState(NamedTuple):
     skipped: jax.Array
     key: jax.Array
     layout: FlatLayout
+    prior: Optional[DiagonalPrior] = None
+
+    def as_prior(self, params, ess=None):
+        """The posterior (mean ``params``, this state's precision) as a :class:`DiagonalPrior` for the next task:
+        ``tx.init(params, prior=opt_state.as_prior(params, ess=n_train))``; see :meth:`DiagonalState.as_prior`."""
+        mean = self.layout.ravel(params).astype(self.precision.dtype)
+        if ess is not None:
+            ess = _check_prior_ess(ess, "ess")
+        return DiagonalPrior(mean, self.precision, ess)
 
 
 def _noise(parts, state):
@@ -273,6 +424,9 @@ def as_optax(algorithm, seed=0):
     per-example squared gradients). bSAM needs two gradient evaluations per step and has no such
     view: use its ``step``. Skipped (non-finite) steps return zero updates and count in the state.
 
+    With the rows' ``prior=`` option the state carries the prior; ``tx.init(params, prior=...)`` starts the next
+    task (continual learning) with the same ``update``: ``tx.init(params, prior=opt_state.as_prior(params))``.
+
     The Lie-group rows (``nb.lie_additive``, ``nb.lie_affine``, ``nb.lie_multiplicative``) have the same view,
     given by their parts (:func:`numpyro_blr.rules.liegroup.lie_as_optax`): ``perturbed`` draws
     :math:`\theta = g\cdot\xi` and ``update`` takes the gradient there.
@@ -290,23 +444,42 @@ def as_optax(algorithm, seed=0):
             "use its step function."
         )
 
-    def init(params):
+    def init(params, prior=None):
         state = init_diagonal(params, parts.precision_init, parts.state_dtype)
+        prior = prior if prior is not None else parts.prior
+        if prior is not None:
+            state = with_prior(state, prior, parts.ess, parts.rule.weight_decay)
         key = jax.random.key(seed)
-        return TransformState(state.precision, state.momentum, state.count, state.skipped, key, state.layout)
+        return TransformState(state.precision, state.momentum, state.count, state.skipped, key, state.layout,
+                              state.prior)
 
     def update(grads, opt_state, params=None, **extra):
         if params is None:
             raise ValueError("the BLR's optax view needs params (the mean): call tx.update(grads, opt_state, params).")
         layout = opt_state.layout
         mean = layout.ravel(params).astype(opt_state.precision.dtype)
-        state = DiagonalState(mean, opt_state.precision, opt_state.momentum, opt_state.count, opt_state.skipped, layout)
+        state = DiagonalState(mean, opt_state.precision, opt_state.momentum, opt_state.count, opt_state.skipped, layout,
+                              opt_state.prior)
         estimate = parts.estimator.from_grads(state, layout.ravel(grads), _noise(parts, opt_state), **extra)
         if parts.axis_name is not None:  # one reduction: the devices' gradient and curvature statistics averaged
             estimate = jax.lax.pmean(estimate, parts.axis_name)
         new, _ = diagonal_update(parts.rule, state, estimate.grad, estimate.hessian, estimate.loss)
         key, _ = jax.random.split(opt_state.key)
-        new_opt_state = TransformState(new.precision, new.momentum, new.count, new.skipped, key, layout)
+        new_opt_state = TransformState(new.precision, new.momentum, new.count, new.skipped, key, layout, new.prior)
         return layout.to_params(new.mean - mean), new_opt_state
 
     return optax.GradientTransformationExtraArgs(init, update)
+
+
+def check_prior_option(prior):
+    """The rows' ``prior=`` option checked: None (or False), True, a :class:`DiagonalPrior` or a :class:`DiagonalState`
+    (its layout and values are checked against the parameters by ``init``)."""
+    if prior is None or prior is False:
+        return None
+    if prior is True or isinstance(prior, (DiagonalPrior, DiagonalState)):
+        return prior
+    raise ValueError(
+        "prior must be None (the weight decay), True (the weight decay carried by the state, to be replaced by the "
+        "next task's prior through init(params, prior=...)), a DiagonalPrior or a DiagonalState (a fitted state's "
+        f"posterior: state.as_prior(ess=n_train)), got {type(prior).__name__}."
+    )
