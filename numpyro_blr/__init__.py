@@ -31,7 +31,7 @@ from numpyro_blr.presets import (
 )
 from numpyro_blr.liegroup_guide import LieGroupBLR, LieGroupGuide
 from numpyro_blr.rules.liegroup import Rayleigh
-from numpyro_blr.rules.diagonal import perturbed
+from numpyro_blr.rules.diagonal import DiagonalPrior, perturbed
 from numpyro_blr.svi import as_optax  # the rows' optax view; refuses nb.BLR()/nb.IVON() with what to use
 from numpyro_blr.core import Algorithm, StepInfo, predictive
 from numpyro_blr.compile_once import Trace_ELBO, enable_compilation_cache, fit
@@ -59,6 +59,7 @@ __all__ = [
     "StepInfo",
     "as_optax",
     "perturbed",
+    "DiagonalPrior",
     "predictive",
     "ExpFamilyGuide",
     "LieGroupBLR",
