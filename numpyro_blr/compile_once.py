@@ -414,13 +414,14 @@ class _Program:
     """
 
     def __init__(self, model, guide, optim, loss, *, num_steps, chunk, stable_update, rebuild, compiler_options,
-                 owner=None, post=None, batch_size=None):
+                 owner=None, post=None, batch_size=None, warm_steps=None):
         self.svi = SVI(model, _unvalidated(guide), optim, loss)
         self.owner = guide if owner is None else owner  # the object a guide's setup is stored in
         self.num_steps, self.chunk = num_steps, chunk
         self.stable_update = stable_update
         self.rebuild = rebuild
         self.post, self.batch_size = post, batch_size
+        self.warm_steps = num_steps if warm_steps is None else warm_steps
         self.setup = _Setup()
         self.lock = threading.Lock()
         jit = functools.partial(jax.jit, compiler_options=compiler_options) if compiler_options else jax.jit
@@ -429,6 +430,7 @@ class _Program:
         self._steps = jit(self._steps_fn)
         self._params = jit(self._params_fn)
         self._many = jit(self._many_fn)
+        self._chain = jit(self._chain_fn)
 
     def _arguments(self, data):
         arrays, extra = data
@@ -443,12 +445,15 @@ class _Program:
     def _scan(self, state, data, length):
         return lax.scan(lambda s, _: self._update(s, data), state, None, length=length)
 
-    def _start(self, rng_key, data, checks=True):
+    def _start(self, rng_key, data, checks=True, init_params=None):
         args, kwargs = self._arguments(data)
         if checks:
             check_observations(self.svi.model, args, kwargs)
         with _model_site_order(self.owner):
-            state = self.svi.init(rng_key, *args, **kwargs)
+            if init_params is None:
+                state = self.svi.init(rng_key, *args, **kwargs)
+            else:  # a warm start: the guide's parameters (constrained) from an earlier fit, a fresh optimizer state
+                state = self.svi.init(rng_key, *args, init_params=init_params, **kwargs)
         if checks and not hasattr(self.owner, "prototype_trace"):  # an autoguide's sites are its model's (fit
             check_guide_sites(self.svi, state, args, kwargs)          # checked guide.model): a function guide's may not be
         return state
@@ -468,21 +473,23 @@ class _Program:
     def _params_fn(self, state):
         return self.svi.get_params(state)  # under jit: no warnings, and the constraints in one program
 
-    def _many_fn(self, rng_keys, data, batch):
+    def _many_fn(self, rng_keys, data, batch, init_params=None):
         """One fit per leading index of ``rng_keys`` and of the arrays in ``batch`` (keyword arguments
         added to each fit's), vectorised ``batch_size`` fits at a time; ``post(params, key, args, kwargs)``
-        is evaluated on each fit inside the program."""
+        is evaluated on each fit inside the program. ``init_params`` (constrained, shared by every fit):
+        each fit starts from these guide parameters (``svi.init(..., init_params=...)``: the optimizer's
+        state is a fresh one, only the guide's starting point is given)."""
         arrays, extra = data
         leaked = []
         if self.needs_setup():  # the guide's setup, traced once outside the vectorised fits (its values are outputs)
             self._start(rng_keys[0], (arrays, {**extra, **jax.tree.map(lambda v: v[0], batch)}))
-            leaked = self.setup.collect(self.svi, (rng_keys, data, batch))
+            leaked = self.setup.collect(self.svi, (rng_keys, data, batch, init_params))
 
         def one(xs):
             key, b = xs
             fit_key, post_key = jax.random.split(key)
             d = (arrays, {**extra, **b})
-            state = self._start(fit_key, d, checks=False)
+            state = self._start(fit_key, d, checks=False, init_params=init_params)
             state, losses = self._scan(state, d, self.num_steps)
             params = self.svi.get_params(state)
             out = self.post[0](params, post_key, *self._arguments(d), *self.post[1:]) if self.post else ()
@@ -501,6 +508,68 @@ class _Program:
             out = jax.tree.map(lambda a, b: jnp.concatenate([a, b]), out, rest)
         return (*out, leaked)
 
+    def _chain_fn(self, rng_keys, data, batch, init_params=None):
+        """Warm-started fits one after another, in one loop: fit ``i`` with its slice of ``batch``. Without
+        ``init_params``, fit 0 starts from the guide's initialisation and runs ``num_steps`` steps, and every
+        later fit starts from fit 0's parameters; with them, every fit starts from ``init_params``. A warm
+        start is ``svi.init(..., init_params=...)`` (constrained parameters; a fresh optimizer state) followed
+        by ``warm_steps`` steps. ``post`` is evaluated on each fit. One fit's code in the program whatever
+        the number of fits: on CPU a vectorised fit costs about as much per step as a fit of its own, so the
+        loop loses no time to :meth:`_many_fn` and compiles once for the first fit and the warm ones."""
+        arrays, extra = data
+        leaked = []
+        first = (arrays, {**extra, **jax.tree.map(lambda v: v[0], batch)})
+        setup = self.needs_setup()  # the guide's setup, traced once outside the loop (its values are outputs)
+        expected = self.svi.get_params(self._start(rng_keys[0], first, checks=setup))  # the parameters' structure
+        if setup:
+            leaked = self.setup.collect(self.svi, (rng_keys, data, batch, init_params))
+        given = init_params is not None
+        if not given:  # the loop's carry: fit 0's parameters once it has run
+            init_params = expected
+        elif set(init_params) != set(expected):
+            raise ValueError(f"the full-data fit to start from has the parameters {sorted(init_params)}, but this guide's "
+                             f"are {sorted(expected)}: pass the result of a fit of this guide.")
+        else:
+            init_params = {k: jnp.asarray(v, dtype=jnp.result_type(expected[k])).reshape(jnp.shape(expected[k]))
+                           for k, v in init_params.items()}
+
+        def body(carry, xs):
+            i, key, b = xs
+            fit_key, post_key = jax.random.split(key)
+            d = (arrays, {**extra, **b})
+            warm = self._start(fit_key, d, checks=False, init_params=carry)
+            if given:
+                state, steps = warm, self.warm_steps
+            else:
+                cold = self._start(fit_key, d, checks=False)
+                state = jax.tree.map(lambda c, w: jnp.where(i == 0, c, w), cold, warm)
+                steps = jnp.where(i == 0, self.num_steps, self.warm_steps)
+            state = lax.fori_loop(0, steps, lambda _, s: self._update(s, d)[0], state)
+            params = self.svi.get_params(state)
+            out = self.post[0](params, post_key, *self._arguments(d), *self.post[1:]) if self.post else ()
+            if not given:
+                carry = jax.tree.map(lambda c, p: jnp.where(i == 0, p, c), carry, params)
+            return carry, (state, params, out)
+
+        xs = (jnp.arange(len(rng_keys)), rng_keys, batch)
+        _, (states, params, out) = lax.scan(body, init_params, xs)
+        return states, (), params, out, leaked
+
+    def chain(self, rng_keys, data, batch, init_params=None):
+        """``(states, (), params, post)`` of ``len(rng_keys)`` warm-started fits (:meth:`_chain_fn`)."""
+        first = (data[0], {**data[1], **jax.tree.map(lambda v: v[0], batch)})
+        self.setup_eagerly(lambda: jax.random.split(rng_keys[0])[0], first)
+        with self.lock:
+            try:
+                *result, leaked = self._chain(rng_keys, data, batch, init_params)
+            except Exception:
+                if _guide_has_setup(self.owner) and _leaked_tracers(self.owner):  # a failed trace: set up afresh next time
+                    self.owner.prototype_trace = None
+                raise
+            self.setup.restore(self.svi, (rng_keys, data, batch, init_params), leaked,
+                               lambda: self._resetup(rng_keys[0], first))
+        return result
+
     def needs_setup(self):
         return getattr(self.owner, "prototype_trace", False) is None
 
@@ -515,6 +584,7 @@ class _Program:
         if (isinstance(owner, ExpFamilyGuide) and owner.sites is None) or (
                 isinstance(owner, LieGroupGuide) and owner.prototype_trace is None):
             args, kwargs = self._arguments(data)
+            rng_key = rng_key() if callable(rng_key) else rng_key  # a key made only where it is needed
             guide_key = jax.random.split(rng_key, 3)[2]  # as SVI.init splits its key
             handlers.seed(self.svi.guide, guide_key)(*args, **kwargs)
 
@@ -532,13 +602,15 @@ class _Program:
             self.setup.restore(self.svi, (rng_key, data), leaked, lambda: self._resetup(rng_key, data))
         return result
 
-    def many(self, rng_keys, data, batch):
-        """``(states, losses, params, post)`` of ``len(rng_keys)`` fits, each with its slice of ``batch``."""
+    def many(self, rng_keys, data, batch, init_params=None):
+        """``(states, losses, params, post)`` of ``len(rng_keys)`` fits, each with its slice of ``batch``
+        (each started from ``init_params`` when given: :meth:`_many_fn`)."""
         first = (data[0], {**data[1], **jax.tree.map(lambda v: v[0], batch)})
-        self.setup_eagerly(jax.random.split(rng_keys[0])[0], first)
+        self.setup_eagerly(lambda: jax.random.split(rng_keys[0])[0], first)
         with self.lock:
-            *result, leaked = self._many(rng_keys, data, batch)
-            self.setup.restore(self.svi, (rng_keys, data, batch), leaked, lambda: self._resetup(rng_keys[0], first))
+            *result, leaked = self._many(rng_keys, data, batch, init_params)
+            self.setup.restore(self.svi, (rng_keys, data, batch, init_params), leaked,
+                               lambda: self._resetup(rng_keys[0], first))
         return result
 
     def run(self, rng_key, data, init_state, progress_bar):

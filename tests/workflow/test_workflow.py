@@ -76,6 +76,50 @@ def test_kfold_equals_the_closed_form(observations):
 
 
 @pytest.mark.slow
+def test_kfold_warm_start_agrees_with_cold_start_and_the_closed_form(observations):
+    """Folds started from the full-data fit (100 steps each, one loop) against folds fitted from scratch (300 steps,
+    vectorised) and against the closed form, within the Monte Carlo tolerance; likewise from a full-data fit given
+    as result=."""
+    y = observations
+    k, folds = 4, np.arange(24) % 4
+    guide = AutoNormal(normal_mean)
+    cold = wf.kfold(normal_mean, guide, y, k=k, folds=folds, num_steps=300, num_draws=2000, warm_start=False)
+    warm = wf.kfold(normal_mean, guide, y, k=k, folds=folds, num_steps=300, num_draws=2000, warm_start=True)
+    full = nb.fit(normal_mean, guide, y, num_steps=300, progress_bar=False)
+    given = wf.kfold(normal_mean, guide, y, k=k, folds=folds, num_steps=300, num_draws=2000, result=full)
+    exact, moments = np.empty(24), [None] * 24
+    for j in range(k):
+        lp, m, v = exact_heldout(y, folds != j)
+        exact[folds == j] = lp[folds == j]
+        for i in np.flatnonzero(folds == j):
+            moments[i] = (m, v)
+    tol = mc_tolerance(y, moments, 2000)
+    lp_full = exact_heldout(y, np.ones(24, bool))[0].sum()
+    for res in (warm, given):
+        assert abs(res.elpd - exact.sum()) < tol, (res.elpd, exact.sum(), tol)
+        np.testing.assert_allclose(np.asarray(res.elpd_i), exact, atol=tol)
+        assert abs(res.elpd - cold.elpd) < min(2 * tol, cold.se), (res.elpd, cold.elpd, tol, cold.se)
+        assert abs(res.se - cold.se) < 0.05 * cold.se
+        assert abs(res.p - (lp_full - exact.sum())) < 2 * tol
+
+
+def test_kfold_warm_start_that_has_not_converged_is_flagged(observations):
+    """A warm start far from the posterior (150 posterior sds) with a step too small to get there in 20 steps:
+    every fold's own end-of-run report says it has not converged."""
+    far = {"mu_auto_loc": np.float32(30.0), "mu_auto_scale": np.float32(0.2)}
+    with pytest.warns(RuntimeWarning, match=r"5 of 5 K-fold fits reported a problem.*has not converged"):
+        wf.kfold(normal_mean, AutoNormal(normal_mean), observations, k=4, folds=np.arange(24) % 4, result=far,
+                 warm_steps=20, optim=nb.BLR(lr=0.01), num_draws=50)
+
+
+def test_warm_start_auto_and_warm_steps():
+    assert wf._resolve_warm_start("auto", {"a": 1})  # the full-data fit given: warm on any backend
+    assert wf._resolve_warm_start("auto", None) == (jax.default_backend() == "cpu")
+    assert wf._resolve_warm_start(False, None) is False and wf._resolve_warm_start(True, None) is True
+    assert wf._warm_steps(None, 1000) == 200 and wf._warm_steps(None, 300) == 100 and wf._warm_steps(None, 50) == 50
+
+
+@pytest.mark.slow
 def test_reloo_refits_equal_exact_leave_one_out(observations):
     y = observations[:10]
     res = wf.reloo(normal_mean, AutoNormal(normal_mean), y, k_threshold=-np.inf, num_steps=300, num_draws=2000)
@@ -151,6 +195,16 @@ def test_bad_input_names_the_argument(observations):
         wf.sbc(normal_mean, guide, y, num_datasets=1)
     with pytest.raises(TypeError, match="optim must be"):
         wf.kfold(normal_mean, guide, y, k=2, optim=object())
+    with pytest.raises(WorkflowError, match="warm_start must be one of"):
+        wf.kfold(normal_mean, guide, y, k=2, warm_start="yes")
+    with pytest.raises(WorkflowError, match="result= is the full-data fit the folds start from"):
+        wf.kfold(normal_mean, guide, y, k=2, result={"mu_auto_loc": 0.0}, warm_start=False)
+    with pytest.raises(WorkflowError, match="result must be the full-data fit"):
+        wf.kfold(normal_mean, guide, y, k=2, result=object())
+    with pytest.raises(ValueError, match=r"has the parameters \['b'\], but this guide's are \['mu_auto_loc', 'mu_auto_scale'\]"):
+        wf.kfold(normal_mean, guide, y, k=2, result={"b": np.zeros(2)}, num_steps=5, num_draws=2)
+    with pytest.raises(WorkflowError, match="warm_steps must be"):
+        wf.kfold(normal_mean, guide, y, k=2, warm_start=True, warm_steps=0)
 
 
 @pytest.mark.slow
