@@ -45,10 +45,11 @@ with no Python warning raised during the run.
             positive site under the fit divided by the NUTS (reference) median (min-max over its coordinates);
             ok = gap <= 1 nat and, on the regressions with an unknown noise scale, pos/NUTS within 5%.
             'silent failures' lists the runs that are not ok and raised no warning.
-  expfam, von, newton, laplace: see bench/robustness_rows.py (ExpFamilyGuide + nb.BLR() against the same
-            guide's Adam optimum; the Table-1 presets with AutoMultivariateNormal against nb.BLR() and ELBO*).
+  expfam, von, newton, laplace, ivon, mixture: see bench/robustness_rows.py (ExpFamilyGuide + nb.BLR() against the same
+            guide's Adam optimum; the Table-1 presets with AutoMultivariateNormal against nb.BLR() and ELBO*; nb.IVON
+            + AutoNormal and nb.mixture_blr on the potential against the best Gaussian of the family).
 
-Run: python bench/bench_robustness.py [--quick] [--cases a,b] [--steps N] [--float32] [--rows blr,liegroup,expfam,von,newton,laplace]
+Run: python bench/bench_robustness.py [--quick] [--cases a,b] [--steps N] [--float32] [--rows blr,liegroup,expfam,von,newton,laplace,ivon,mixture]
 """
 
 import argparse

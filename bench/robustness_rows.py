@@ -1,4 +1,4 @@
-"""More entry points for ``bench/bench_robustness.py --rows``: each with its defaults, against the optimum
+r"""More entry points for ``bench/bench_robustness.py --rows``: each with its defaults, against the optimum
 of its own family on the robustness cases it applies to.
 
 Rows (each fits ``--steps`` steps with one jitted ``lax.scan``, as ``SVI.run``):
@@ -15,8 +15,22 @@ Rows (each fits ``--steps`` steps with one jitted ``lax.scan``, as ``SVI.run``):
            Yardstick of these three: ``nb.BLR()`` + ``AutoMultivariateNormal`` and ELBO* (the KL-optimal
            full Gaussian, ``robustness_cases.optimal_gaussian``) unless ``--no-opt``.
 
+  ivon     ``nb.IVON(lr=0.3, ess=N, hess_init=0.1, beta2=0.999)`` + ``AutoNormal`` under ``SVI``, the settings
+           docs/deep-learning.md gives for SVI (IVON has no default ``lr``), ``N`` the number of observations
+           the likelihood sums over. Yardstick: the best mean-field Gaussian (``nb.BLR()`` + ``AutoNormal``
+           and ELBO* unless ``--no-opt``).
+  mixture  ``nb.mixture_blr(0.3, num_components=2)`` (docs/mixtures.md's settings: it has no default ``lr``)
+           on the model's potential (``numpyro.infer.util.initialize_model``: minus the log joint in the
+           unconstrained space, as ``SVI``'s autoguides see it), the components started at NumPyro's
+           initial point and one unit either side along the first coordinate; its ELBO
+           :math:`\mathbb E_q[-U - \log q]` from 2000 draws of the mixture. Yardstick: the best full Gaussian
+           (``nb.BLR()`` + ``AutoMultivariateNormal`` and ELBO*): a mixture contains every Gaussian, so it should
+           end no lower. ``nb.mixture_blr`` is an ``Algorithm`` with no end-of-run report: a warning there
+           can only be Python's.
+
 gap = yardstick ELBO - row ELBO (2000 particles, common random numbers); ok = finite and gap <= 1 nat
-(laplace: finite). 'silent failures' are runs that are not ok and raised no warning.
+(laplace: finite; its Laplace gap, ``E_q[l] - l(mode) - D/2`` from the run's report, is printed as ``lgap``).
+'silent failures' are runs that are not ok and raised no warning.
 """
 
 import math
@@ -57,8 +71,10 @@ def _row_table(title, name, selected, args, t_start, fit_row):
         line = f"{case.name:27s} | {fields} | " + ("yes" if ok else "no") + (" [warned]" if warned else "")
         lines.append(line)
         print(line, flush=True)
+        for message in (warned if isinstance(warned, list) else []):
+            print(f"    warning: {message[:200]}", flush=True)
         if not ok:
-            bad.append((case.name, warned))
+            bad.append((case.name, bool(warned)))
     n_ok = sum(" | yes" in line for line in lines)
     n_app = sum(" n/a: " not in line for line in lines)
     print(f"{name}: {n_ok} of {n_app} applicable cases ok (gap <= {ELBO_TOL} nat)")
@@ -68,7 +84,8 @@ def _row_table(title, name, selected, args, t_start, fit_row):
 
 
 def _warned(run):
-    return bool(run.warnings)
+    """The run's warnings (messages; empty: none)."""
+    return [str(w.message) for w in run.warnings]
 
 
 def expfam_rows(selected, args, t_start):
@@ -112,7 +129,10 @@ def _preset_rows(name, make, judged):
             best = max([v for v in cands if math.isfinite(v)], default=float("nan"))
             gap = best - e if math.isfinite(e) else float("inf")
             ok = run.finite and (gap <= ELBO_TOL if judged else True)
-            fields = f"ELBO {_fmt(e)} best {_fmt(best)} gap {_fmt(gap, '7.2f')} wall {run.t_compile + run.t_run:5.1f}"
+            lgap = run.report.laplace_gap if run.report is not None else None
+            lg = f" lgap {_fmt(lgap[0], '7.2f')} +- {_fmt(lgap[1], '5.2f')}" if lgap else ""
+            fields = (f"ELBO {_fmt(e)} best {_fmt(best)} gap {_fmt(gap, '7.2f')}{lg} "
+                      f"wall {run.t_compile + run.t_run:5.1f}")
             return fields, ok, _warned(run)
 
         _row_table(f"nb.{name}() + AutoMultivariateNormal defaults; yardstick nb.BLR() and ELBO*", name, selected,
@@ -121,9 +141,100 @@ def _preset_rows(name, make, judged):
     return runner
 
 
+def n_observations(case):
+    """The number of observations the case's likelihood sums over (IVON's ``ess``): the largest batch size of
+    its observed sites."""
+    tr = _bench().rc.model_trace(case.model, case.args, case.kwargs)
+    sizes = [int(math.prod(site["fn"].batch_shape)) or 1 for site in tr.values()
+             if site["type"] == "sample" and site.get("is_observed")]
+    return max(sizes, default=1)
+
+
+def _best_gaussian(case, guide_cls, args, diagonal):
+    """(guide, params, best ELBO) of the Gaussian family: nb.BLR() after --steps and ELBO* unless --no-opt."""
+    b = _bench()
+    key, ekey = jax.random.PRNGKey(0), jax.random.PRNGKey(1)
+    ref = b.Run(case, guide_cls, nb.BLR(), args.steps, 10, key)
+    cands = [b.safe_elbo(case, ref.guide, ref.params[-1], ekey)]
+    if not args.no_opt:
+        try:
+            opt = b.rc.optimal_guide_params(case, ref.guide, ref.params[-1], diagonal=diagonal)
+            cands.append(b.safe_elbo(case, ref.guide, opt, ekey))
+        except Exception:  # noqa: BLE001 - ELBO* unavailable: BLR's ELBO alone
+            pass
+    return max([v for v in cands if math.isfinite(v)], default=float("nan"))
+
+
+def ivon_rows(selected, args, t_start):
+    from numpyro_blr.deep import IVON
+
+    b = _bench()
+
+    def fit_row(case, args):
+        key, ekey = jax.random.PRNGKey(0), jax.random.PRNGKey(1)
+        n = n_observations(case)
+        run = b.Run(case, AutoNormal, IVON(lr=0.3, ess=n, hess_init=0.1, beta2=0.999), args.steps, 10, key)
+        e = b.safe_elbo(case, run.guide, run.params[-1], ekey)
+        best = _best_gaussian(case, AutoNormal, args, diagonal=True)
+        gap = best - e if math.isfinite(e) else float("inf")
+        ok = run.finite and gap <= ELBO_TOL
+        fields = f"N {n:5d} ELBO {_fmt(e)} best {_fmt(best)} gap {_fmt(gap, '9.2f')} wall {run.t_compile + run.t_run:5.1f}"
+        return fields, ok, _warned(run)
+
+    _row_table("nb.IVON(lr=0.3, ess=N, hess_init=0.1, beta2=0.999) + AutoNormal under SVI; yardstick the best "
+               "mean-field Gaussian (nb.BLR() + AutoNormal, ELBO*)", "ivon", selected, args, t_start, fit_row)
+
+
+def mixture_rows(selected, args, t_start):
+    import warnings
+
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.flatten_util import ravel_pytree
+    from numpyro.infer.util import initialize_model
+
+    from numpyro_blr.mixture import log_prob
+
+    b = _bench()
+    K = 2
+
+    def fit_row(case, args):
+        key, ekey = jax.random.PRNGKey(0), jax.random.PRNGKey(1)
+        info = initialize_model(key, case.model, model_args=case.args, model_kwargs=case.kwargs)
+        flat, unravel = ravel_pytree(info.param_info.z)
+        loss = lambda x: info.potential_fn(unravel(x))  # noqa: E731 - minus the log joint, unconstrained
+        opt = nb.mixture_blr(0.3, K)
+        shift = jnp.zeros_like(flat).at[0].set(1.0)
+        state = opt.init(jnp.stack([flat - shift, flat + shift]))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            t0 = time.perf_counter()
+            run = jax.jit(lambda s, k: jax.lax.scan(lambda s, kk: opt.step(kk, s, loss), s, jax.random.split(k, args.steps)))
+            state, _ = run(state, key)
+            jax.block_until_ready(state)
+            wall = time.perf_counter() - t0
+        draws = opt.sample(ekey, state, 2000)
+        vals = -jax.vmap(loss)(draws) - log_prob(state, draws)
+        e = float(jnp.mean(vals)) if bool(jnp.all(jnp.isfinite(vals))) else float("nan")
+        skipped = int(state.skipped)
+        finite = all(bool(jnp.all(jnp.isfinite(v))) for v in (state.means, state.precision, state.logits))
+        best = _best_gaussian(case, AutoMultivariateNormal, args, diagonal=False)
+        gap = best - e if math.isfinite(e) else float("inf")
+        ok = finite and gap <= ELBO_TOL
+        w = np.exp(np.asarray(state.logits, np.float64) - np.max(np.asarray(state.logits, np.float64)))
+        fields = (f"ELBO {_fmt(e)} best {_fmt(best)} gap {_fmt(gap, '9.2f')} skipped {skipped:4d} "
+                  f"weights {'/'.join(f'{x:.2f}' for x in w / w.sum())} wall {wall:5.1f}")
+        return fields, ok, [str(c.message) for c in caught if not issubclass(c.category, b.QUIET)]
+
+    _row_table(f"nb.mixture_blr(0.3, num_components={K}) on the model's potential; yardstick the best full Gaussian "
+               "(nb.BLR() + AutoMultivariateNormal, ELBO*)", "mixture", selected, args, t_start, fit_row)
+
+
 ROW_RUNNERS = {
     "expfam": expfam_rows,
     "von": _preset_rows("von", nb.von, True),
     "newton": _preset_rows("newton", nb.newton, True),
     "laplace": _preset_rows("laplace", nb.laplace, False),
+    "ivon": ivon_rows,
+    "mixture": mixture_rows,
 }

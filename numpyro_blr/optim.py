@@ -42,9 +42,10 @@ from jax.scipy.linalg import solve_triangular
 from numpyro_blr import expfam_blocks
 from numpyro_blr.core import backtracking_factor
 from numpyro_blr.estimators import HESSIANS, at_mean, estimate, hoist_constant_work
+from numpyro_blr.estimators.gaussian import laplace_gap_from_losses
 from numpyro_blr.layout import DIAGONAL, EXPFAM, FULL, POINT, apply_transform
 from numpyro_blr.parallel import check_guide_memory
-from numpyro_blr.report import FitTrace, fit_report, next_trace
+from numpyro_blr.report import FitTrace, empty_loss_blocks, fit_report, is_block_end, next_trace
 from numpyro_blr.rules.blr import (
     diagonal_precision_update,
     full_precision_update,
@@ -58,6 +59,7 @@ from numpyro_blr.svi import GuideAlgorithm, GuideOptimizer, GuideStep
 
 AUTODIFF_MAX_DIM = 256
 BACKTRACK_TRIES = 8
+GAP_WINDOW = 200  # Laplace-gap draws kept for the end-of-run report (delta method)
 
 
 class BLRState(NamedTuple):
@@ -70,6 +72,14 @@ class BLRState(NamedTuple):
     ``mean_scale_tril``  for diagonal guides with the exact Hessian: Cholesky factor of the inverse
                          of the dense precision that preconditions their mean step, ``(0, 0)`` if none;
     ``trace``            :class:`~numpyro_blr.report.FitTrace`, the evidence for the end-of-run report;
+    ``laplace_gap``      with the delta method and a curvature (``nb.laplace()``, ``nb.newton()``,
+                         ``delta=True``): the last ``GAP_WINDOW`` draws of the Laplace gap
+                         (:func:`~numpyro_blr.estimators.gaussian.laplace_gap_from_losses`, read off the
+                         two losses the step evaluates anyway; NaN where none was drawn), a circular
+                         buffer indexed by the step; shape ``(0,)`` otherwise;
+    ``snapshot``         per Gaussian block's loc, its mean (averaged, when the iterates are) when the
+                         trace's last block of losses began (:func:`~numpyro_blr.report.is_block_end`):
+                         the report names the sites that moved most since then when the loss still falls;
     ``average``          with :class:`adaptive_decay`'s averaging: per Gaussian block, the
                          exponential averages of the iterates' mean (under the loc's name) and of
                          their scale :math:`s` or Cholesky factor :math:`L` (under the scale's
@@ -85,6 +95,8 @@ class BLRState(NamedTuple):
     mean_scale_tril: jax.Array
     trace: FitTrace
     average: dict
+    laplace_gap: jax.Array = None
+    snapshot: dict = None
 
 
 def _finite_or_zero(x):
@@ -226,6 +238,13 @@ class BLR(GuideOptimizer):
                 size += n * (2 if has_h else 1)
         return size
 
+    def _tracks_laplace_gap(self, params, layout):
+        r"""Whether the run records the Laplace gap (:class:`BLRState`'s ``laplace_gap``): the delta method
+        with a curvature, on a guide with Gaussian blocks, whose precision then tracks
+        :math:`\nabla^2\ell(m)` (Newton's method; with ``lr=1`` the Laplace approximation)."""
+        return self.delta and self.hessian_for(params, layout) != "none" and any(
+            b.kind in (DIAGONAL, FULL) for b in layout.blocks)
+
     def _averaged(self, params, layout):
         """The blocks whose iterates are averaged (:class:`adaptive_decay` with ``averaging=True``):
         every Gaussian block (diagonal or full); none with another step size."""
@@ -284,6 +303,7 @@ class BLR(GuideOptimizer):
             damped=full((), 0, np.int32),
             damped_recent=full((), 0),
             damping=full((), 1),
+            loss_blocks=empty_loss_blocks(dtype),
         )
         averaged = self._averaged(params, layout)
         state = BLRState(
@@ -292,6 +312,8 @@ class BLR(GuideOptimizer):
             mean_scale_tril=mean_tril,
             trace=trace,
             average=self._guide_moments(params, averaged),
+            laplace_gap=full((GAP_WINDOW if self._tracks_laplace_gap(params, layout) else 0,), np.nan),
+            snapshot={b.loc: params[b.loc] for b in layout.blocks if b.kind in (DIAGONAL, FULL)},
         )
         return params, state
 
@@ -337,8 +359,10 @@ class BLR(GuideOptimizer):
         # of epsilon above all) is done once (estimators.hoist_constant_work: a smaller program to compile)
         loss_fn, fn = fn, hoist_constant_work(fn, params)
         hessian = self.hessian_for(params, layout)
+        gap_on = s.laplace_gap is not None and s.laplace_gap.shape[0] > 0
         (loss, aux), grads, stats, points, joint_hess, *mean_loss = estimate(
-            fn, params, layout, hessian, self.delta, forward_mode, self.point_hessian, with_mean_loss=self.backtrack
+            fn, params, layout, hessian, self.delta, forward_mode, self.point_hessian,
+            with_mean_loss=self.backtrack or gap_on,
         )
         # The estimates pass an optimization barrier: materialised once, where XLA would otherwise fuse
         # copies of the estimator's internals (the loss's tail, the Hessian's last products) into the
@@ -470,10 +494,25 @@ class BLR(GuideOptimizer):
                 for n in locs:
                     new_params[n] = params[n] + damping.astype(params[n].dtype) * (new_params[n] - params[n])
 
+        new_gap = s.laplace_gap
+        if gap_on:  # one draw of E_q[l] - l(m) - D/2 from the two losses at this step's key (no evaluation added)
+            log_det, dim = jnp.zeros((), dtype), 0
+            for b in layout.blocks:
+                if b.kind == DIAGONAL:
+                    log_det = log_det + jnp.sum(jnp.log(b.transform(params[b.scale]))).astype(dtype)
+                elif b.kind == FULL:
+                    log_det = log_det + jnp.sum(jnp.log(jnp.diagonal(b.transform(params[b.scale])))).astype(dtype)
+                else:
+                    continue
+                dim += int(np.prod(params[b.loc].shape))
+            draw = jnp.asarray(laplace_gap_from_losses(loss, mean_loss[0], log_det, dim), s.laplace_gap.dtype)
+            new_gap = s.laplace_gap.at[i % s.laplace_gap.shape[0]].set(jnp.where(jnp.isfinite(draw), draw, jnp.nan))
+
         skipped = None
         if adaptive:  # a skipped step halves the averaged blocks' rho (without averaging: the one step size)
             skipped = schedule.skipped if averaging else (lambda c: 2.0 * c + schedule.halving_steps)
-        proposed = s._replace(momentum=new_mom, point_precision=new_point_prec, mean_scale_tril=new_mean_tril)
+        proposed = s._replace(momentum=new_mom, point_precision=new_point_prec, mean_scale_tril=new_mean_tril,
+                              laplace_gap=new_gap)
         target = self._guide_moments(new_params, self._averaged(params, layout), new_scales) if averaging else {}
 
         def finish(old, ok):
@@ -485,6 +524,9 @@ class BLR(GuideOptimizer):
                 weight = jnp.asarray(schedule(trace.clock), dtype=dtype)
                 average = {n: a + weight.astype(a.dtype) * (target[n] - a) for n, a in old.average.items()}
             new = proposed._replace(trace=trace, average=average)
+            if old.snapshot:  # the means when the report's last block of losses began
+                now = {n: average[n] if n in average else new_params[n] for n in old.snapshot}
+                new = new._replace(snapshot={n: jnp.where(is_block_end(i), now[n], v) for n, v in old.snapshot.items()})
             return jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old._replace(trace=trace))
 
         return GuideStep(loss=loss, aux=aux, grads=grads, params=new_params, state=finish, checked=checked)
@@ -518,6 +560,14 @@ class BLR(GuideOptimizer):
                 p[n] = params[n] + alpha.astype(params[n].dtype) * delta[n]
             return jnp.asarray(fn(at(p))[0], loss0.dtype) - alpha * slope
 
+        if mean_layout:
+            # the loss at the mean carries log q at scale eps^2: D |log eps^2| nats (72 per number in float64) that
+            # cancel between the two evaluations, but whose rounding (here from the Hessian's forward-mode trace,
+            # there from a plain one) is far above 4 ulps of the total; at a converged mode the step is below
+            # rounding, and without this every step read as a rise (a converged nb.laplace() fit reported as damped)
+            dim = sum(int(np.prod(params[b.loc].shape)) for b in mean_layout.blocks if b.kind in (DIAGONAL, FULL))
+            eps = jnp.finfo(loss0.dtype).eps
+            loss0 = loss0 + 16.0 * eps * (jnp.abs(loss0) + dim * 2.0 * jnp.abs(jnp.log(eps)))
         return backtracking_factor(value, loss0, shrink, tries)
 
     def _joint_mean_step(self, joint, params, stats, hess, s, lr, t, new_params, new_mom, direction, whitened_grad, control):

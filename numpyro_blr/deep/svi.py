@@ -67,6 +67,7 @@ from numpyro.optim import _value_and_grad
 from numpyro_blr.estimators import Estimate
 from numpyro_blr.layout import DIAGONAL, GuideLayoutError
 from numpyro_blr.presets import ivon
+from numpyro_blr.report import LossTrace, init_loss_trace, loss_trace_problems, next_loss_trace
 from numpyro_blr.rules.diagonal import DiagonalState
 from numpyro_blr.svi import GuideAlgorithm, GuideOptimizer, GuideStep, commit_if_finite, skipped_report
 from numpyro_blr.tree import FlatLayout
@@ -74,10 +75,12 @@ from numpyro_blr.tree import FlatLayout
 
 class IVONSVIState(NamedTuple):
     r"""IVON's state over the guide's locs: ``momentum`` (IVON's gradient EMA per loc, in per-example
-    units :math:`\nabla U/\lambda`) and ``count`` (IVON steps taken)."""
+    units :math:`\nabla U/\lambda`), ``count`` (IVON steps taken) and ``trace``
+    (:class:`~numpyro_blr.report.LossTrace`: the losses the end-of-run report reads)."""
 
     momentum: dict
     count: jax.Array
+    trace: LossTrace = None
 
 
 def ivon_guide_algorithm(lr, ess, hess_init=1.0, beta1=0.9, beta2=0.99999, weight_decay=0.0,
@@ -104,7 +107,8 @@ def ivon_guide_algorithm(lr, ess, hess_init=1.0, beta1=0.9, beta2=0.99999, weigh
             for b in layout.blocks:
                 params[b.scale] = b.transform.inv(jnp.full_like(params[b.scale], sd))
         momentum = {b.loc: jnp.zeros_like(params[b.loc]) for b in layout.blocks}
-        return params, IVONSVIState(momentum, jnp.zeros((), jnp.int32))
+        dtype = jnp.result_type(*[params[b.loc] for b in layout.blocks])
+        return params, IVONSVIState(momentum, jnp.zeros((), jnp.int32), init_loss_trace(dtype))
 
     def step(fn, params, s, layout, i, forward_mode):
         (loss, aux), grads = _value_and_grad(fn, x=params, forward_mode_differentiation=forward_mode)
@@ -132,10 +136,27 @@ def ivon_guide_algorithm(lr, ess, hess_init=1.0, beta1=0.9, beta2=0.99999, weigh
             new_params[b.scale] = b.transform.inv(lax.rsqrt(lam * new_precision[b.loc]))
             checked[b.loc] = (grads[b.loc], new_params[b.loc])
             checked[b.scale] = (grads[b.scale], new_params[b.scale])
-        return GuideStep(loss, aux, grads, new_params, IVONSVIState(dict(new.momentum), new.count), checked)
+        trace = None if s.trace is None else next_loss_trace(s.trace, i, loss)  # kept only with the step (commit)
+        return GuideStep(loss, aux, grads, new_params, IVONSVIState(dict(new.momentum), new.count, trace), checked)
 
-    report = skipped_report("IVON", "Pass a smaller lr or a larger hess_init, or check the model's log density at "
-                                    "the current guide.")
+    skipped = skipped_report("IVON", "Pass a smaller lr or a larger hess_init, or check the model's log density at "
+                                     "the current guide.")
+
+    def report(state, optimizer):
+        """Skipped steps (and an implausible ``ess``), then what the losses show: divergence or a loss still
+        falling at the end (issue 25: IVON's fits that ended thousands of nats short were silent)."""
+        out = skipped(state, optimizer)
+        i, s = state
+        if getattr(s.algorithm, "trace", None) is not None:
+            out += loss_trace_problems(
+                s.algorithm.trace, int(i), "IVON",
+                f"Pass a smaller lr (this run used {lr!r}) or a larger hess_init, or fit with nb.BLR() (no step size to "
+                "tune).",
+                "Continue the run (svi.run(key, steps, ..., init_state=svi_result.state)), or fit with nb.BLR() (its "
+                "Newton-like steps do not depend on the data's scale).",
+            )
+        return out
+
     return GuideAlgorithm("IVON", init, step, commit_if_finite, report, check_layout)
 
 
