@@ -296,12 +296,11 @@ def data_parallel_estimate(algorithm, loss_fn, mesh, *, per_device_sample=False,
 
 
 def shard_state(mesh_or_devices, state, axis_name=None):
-    r"""A diagonal row's state (``nb.ivon(...).init``, ``nb.as_optax(...).init``) with its per-leaf arrays
-    (mean, precision :math:`h + \delta`, momentum: pytrees like the parameters) split over the mesh along
-    their leading axis, for networks whose optimizer state should not be replicated on every device (ZeRO-1
-    style: each device holds :math:`1/k`).
+    r"""A diagonal row's state (``nb.ivon(...).init``, ``nb.as_optax(...).init``) with its flat vectors
+    (mean, precision :math:`h + \delta`, momentum) split over the mesh, for networks whose optimizer
+    state should not be replicated on every device (ZeRO-1 style: each device holds :math:`1/k`).
 
-    Arrays whose leading axis does not divide by the device count stay replicated. Under ``jit`` the
+    Vectors whose length does not divide by the device count stay replicated. Under ``jit`` the
     elementwise update keeps the split (the tests check the output's sharding).
     """
     import warnings
@@ -313,18 +312,18 @@ def shard_state(mesh_or_devices, state, axis_name=None):
     def place(x):
         if not isinstance(x, jax.Array):
             return x
-        if x.ndim >= 1 and x.shape[0] >= k and not jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        if x.ndim == 1 and x.shape[0] >= k and not jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
             if x.shape[0] % k == 0:
                 return jax.device_put(x, NamedSharding(mesh, P(axis_name)))
-            kept.append(tuple(x.shape))
+            kept.append(x.shape[0])
         return jax.device_put(x, NamedSharding(mesh, P()))
 
     out = jax.tree.map(place, state)
     if kept:
         warnings.warn(
-            f"shard_state: arrays of shapes {sorted(set(kept))} do not split evenly over {k} devices along their "
-            "leading axis (JAX shards only evenly) and stay replicated. The state is kept per leaf, like the "
-            f"parameters: a leaf whose leading axis is a multiple of {k} splits.", RuntimeWarning, stacklevel=2)
+            f"shard_state: vectors of length {sorted(set(kept))} do not split evenly over {k} devices (JAX shards "
+            "only evenly) and stay replicated. The flat state has one entry per weight: a parameter count that is "
+            f"a multiple of {k} splits.", RuntimeWarning, stacklevel=2)
     return out
 
 

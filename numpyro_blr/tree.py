@@ -56,18 +56,6 @@ class FlatLayout(NamedTuple):
         state is kept in a wider dtype than the parameters (mixed precision, :func:`state_dtype`)."""
         return jax.tree.map(lambda x: x.astype(self.dtype), self.unravel(flat))
 
-    def cast(self, tree):
-        """A pytree like the parameters (per-leaf state) with every leaf cast to the parameters' dtype."""
-        return jax.tree.map(lambda x: x.astype(self.dtype), tree)
-
-    def is_tree(self, x):
-        """Whether ``x`` is a pytree with the parameters' structure (rather than one flat vector)."""
-        try:
-            return jax.tree.structure(x) == self.treedef and all(
-                tuple(jnp.shape(v)) == s for v, s in zip(jax.tree.leaves(x), self.shapes))
-        except Exception:  # noqa: BLE001
-            return False
-
     def unravel(self, flat):
         """The pytree from a flat vector (trailing axis of ``flat``; leading axes are kept)."""
         lead = flat.shape[:-1]
@@ -210,49 +198,6 @@ def standard_normal(key, n, dtype=jnp.float32, rng="hash"):
     if rng == "hash":
         return hash_normal(key, n, dtype)
     return jax.random.normal(key, (int(n),), dtype)
-
-
-def _hash_normal_at(k, i, half):
-    """:func:`hash_normal`'s element at flat index ``i`` (uint32 array, any shape) of a draw of ``2 * half`` (or
-    ``2 * half - 1``) normals with key words ``k``: index ``i < half`` is the cosine of pair ``i``, the others the
-    sine of pair ``i - half``; the same numbers as the flat draw, computed per element (no concatenation, nothing
-    materialised: each leaf of a per-leaf state gets its slice of the one stream where it is used)."""
-    second = i >= jnp.uint32(half)
-    j = jnp.where(second, i - jnp.uint32(half), i)
-    a = _mix32(_mix32(j ^ k[0]) + k[1])
-    b = _mix32(_mix32(j ^ k[2]) + k[3])
-    u = ((a >> 8) + 1).astype(jnp.float32) * np.float32(2.0**-24)
-    r = jnp.sqrt(np.float32(-2.0) * jnp.log(u))
-    return r * _cos_of_bits(jnp.where(second, b - jnp.uint32(1 << 30), b))
-
-
-def normal_like(key, tree, dtype=None, rng="hash"):
-    """Standard normals shaped like ``tree``'s leaves (each in ``dtype``, default the leaf's): leaf by leaf the
-    consecutive pieces of one flat draw :func:`standard_normal` ``(key, n)`` over all ``n`` elements, in
-    ``jax.tree.leaves`` order, so a per-leaf state draws exactly the numbers a flat one did. With ``rng='hash'``
-    every element is computed from its own counter where it is used (no flat vector exists); with ``'jax'`` the
-    flat draw is made and sliced."""
-    leaves, treedef = jax.tree.flatten(tree)
-    shapes = [tuple(jnp.shape(x)) for x in leaves]
-    dtypes = [jnp.dtype(dtype) if dtype is not None else jnp.result_type(x) for x in leaves]
-    sizes = [int(np.prod(s)) for s in shapes]
-    n = sum(sizes)
-    out, start = [], 0
-    if rng == "hash":
-        k = jax.random.bits(key, (4,), jnp.uint32)
-        half = (n + 1) // 2
-        for shape, size, dt in zip(shapes, sizes, dtypes):
-            i = (lax.iota(jnp.uint32, size) + jnp.uint32(start)).reshape(shape)
-            out.append(_hash_normal_at(k, i, half).astype(dt))
-            start += size
-    else:
-        # materialised once (an optimisation barrier): XLA would otherwise recompute the generator's flat output in
-        # every consumer of a slice
-        flat = lax.optimization_barrier(jax.random.normal(key, (n,), dtypes[0] if dtypes else jnp.float32))
-        for shape, size, dt in zip(shapes, sizes, dtypes):
-            out.append(flat[start:start + size].reshape(shape).astype(dt))
-            start += size
-    return treedef.unflatten(out)
 
 
 def uniform_like(key, tree):

@@ -122,14 +122,10 @@ def ivon_guide_algorithm(lr, ess, hess_init=1.0, beta1=0.9, beta2=0.99999, weigh
             precision[b.loc] = 1.0 / (lam * sd**2)  # lambda (h + delta) = 1 / sigma^2
             stat[b.loc] = (sd * dl_dsd + 1.0) / lam  # sigma*eps * grad(U/lambda) = noise * grad
         zero = jnp.zeros((), jnp.int32)
-        # per leaf (a dict over the locs, like the rows' state): no flat vector
-        dt = {k: jnp.result_type(v) for k, v in locs.items()}
-        state = DiagonalState(locs, {k: v.astype(dt[k]) for k, v in precision.items()},
-                              {k: s.momentum[k] for k in locs}, s.count, zero, flat)
-        g_bar = {k: grads[k] / lam for k in locs}  # grad of U/lambda at z
-        hess = {k: lam * state.precision[k] * stat[k] for k in locs}
-        new, _ = algorithm.update(state, Estimate(loss, g_bar, hess))
-        new_params, new_locs, new_precision = dict(params), new.params, new.precision
+        state = DiagonalState(flat.ravel(locs), flat.ravel(precision), flat.ravel(s.momentum), s.count, zero, flat)
+        g_bar = flat.ravel({b.loc: grads[b.loc] for b in layout.blocks}) / lam  # grad of U/lambda at z
+        new, _ = algorithm.update(state, Estimate(loss, g_bar, lam * state.precision * flat.ravel(stat)))
+        new_params, new_locs, new_precision = dict(params), new.params, new.tree(new.precision)
         checked = {}
         for b in layout.blocks:
             new_params[b.loc] = new_locs[b.loc]
@@ -137,7 +133,7 @@ def ivon_guide_algorithm(lr, ess, hess_init=1.0, beta1=0.9, beta2=0.99999, weigh
             checked[b.loc] = (grads[b.loc], new_params[b.loc])
             checked[b.scale] = (grads[b.scale], new_params[b.scale])
         trace = None if s.trace is None else next_loss_trace(s.trace, i, loss)  # kept only with the step (commit)
-        return GuideStep(loss, aux, grads, new_params, IVONSVIState(dict(new.momentum), new.count, trace), checked)
+        return GuideStep(loss, aux, grads, new_params, IVONSVIState(new.tree(new.momentum), new.count, trace), checked)
 
     skipped = skipped_report("IVON", "Pass a smaller lr or a larger hess_init, or check the model's log density at "
                                      "the current guide.")

@@ -2,10 +2,9 @@ r"""Estimators for a diagonal Gaussian over a network's weights (the deep-learni
 
 Each constructor returns ``estimate(key, state, loss_fn, *batch) -> Estimate`` for a
 :class:`~numpyro_blr.rules.diagonal.DiagonalState` :math:`q = \mathcal N(m, \operatorname{diag}(1/(Np)))`,
-with ``grad`` :math:`\hat g \approx \mathbb E_q[\nabla\bar\ell]` and ``hessian``
+with flat ``grad`` :math:`\hat g \approx \mathbb E_q[\nabla\bar\ell]` and ``hessian``
 :math:`\hat h \approx \mathbb E_q[\nabla^2\bar\ell]` of the average mini-batch loss :math:`\bar\ell`
-(pytrees like the parameters, in the state's dtype;
-``loss_fn(params, *batch)``; per-example rows take ``per_example_loss(params, *example)`` and a
+(``loss_fn(params, *batch)``; per-example rows take ``per_example_loss(params, *example)`` and a
 batch with a leading example axis):
 
 ==========================  ==================================================================
@@ -19,11 +18,11 @@ batch with a leading example axis):
                             :math:`\hat h = \sqrt p\,|g| + \gamma` with :math:`g` at a sample
 ==========================  ==================================================================
 
-The noise is one draw per sample (:func:`numpyro_blr.tree.normal_like`: the pieces of one flat
-:func:`numpyro_blr.tree.standard_normal` stream, leaf by leaf), so it is fresh for every key and every leaf. :func:`price_from_samples`, :func:`gauss_newton_from_grads`,
+The noise is one flat draw per sample (:func:`numpyro_blr.tree.standard_normal`), so it is fresh for
+every key and every leaf. :func:`price_from_samples`, :func:`gauss_newton_from_grads`,
 :func:`gradient_from_grads` and :func:`sharpness_aware_from_grads` give the same statistics from
 gradients a caller computed itself (custom loops, other devices); each estimator's ``from_grads``
-attribute does the same for one gradient and noise (pytrees), which is what the optax view of a row
+attribute does the same for one flat gradient and noise, which is what the optax view of a row
 (:func:`numpyro_blr.rules.diagonal.as_optax`) uses.
 """
 
@@ -32,42 +31,30 @@ import jax.numpy as jnp
 from jax import lax
 
 from numpyro_blr.estimators import Estimate
-from numpyro_blr.tree import normal_like, stack_samples
+from numpyro_blr.tree import stack_samples, standard_normal
 
 HESS_APPROX = ("price", "gradsq")
 
 
-def _map(f, *trees):
-    return jax.tree.map(f, *trees)
-
-
 def noise_scale(state, ess):
-    r""":math:`\sigma = 1/\sqrt{N p}`, a pytree like the parameters."""
-    return _map(lambda p, m: lax.rsqrt(ess * p).astype(m.dtype), state.precision, state.mean)
+    r""":math:`\sigma = 1/\sqrt{N p}`, flat."""
+    return lax.rsqrt(ess * state.precision).astype(state.mean.dtype)
 
 
 def draw(key, state, ess, noise_rng="hash"):
-    """``(theta, noise)``, pytrees like the parameters (the state's dtype): one draw of the weights from :math:`q`
-    and its offset from the mean."""
-    eps = normal_like(key, state.mean, rng=noise_rng)
-    noise = _map(lambda e, sd: e * sd, eps, noise_scale(state, ess))
-    return _map(jnp.add, state.mean, noise), noise
+    """``(theta, noise)`` flat: one draw of the weights from :math:`q` and its offset from the mean."""
+    m = state.mean
+    noise = standard_normal(key, m.shape[0], m.dtype, noise_rng) * noise_scale(state, ess)
+    return m + noise, noise
 
 
-def unravel_materialised(layout, theta):
-    r"""The weights a loss is evaluated at, ``theta`` in the parameters' dtype, each leaf written once (an
-    optimisation barrier). Without it XLA fuses the draw :math:`m + \sigma\epsilon` into every consumer of a small
-    leaf (a bias is read by the forward and the backward pass), recomputing the noise there. ``theta`` may be a
-    flat vector (split into leaves)."""
-    if not layout.is_tree(theta):
-        theta = layout.unravel(theta)
-    return lax.optimization_barrier(layout.cast(theta))
-
-
-def _state_tree(state, tree):
-    """``tree`` (a gradient: pytree like the parameters, or one flat vector) per leaf in the state's dtypes."""
-    tree = state.tree(tree)
-    return _map(lambda g, m: jnp.asarray(g).astype(m.dtype), tree, state.mean)
+def unravel_materialised(layout, flat):
+    r"""The weights a loss is evaluated at, ``layout.to_params(flat)`` (in the parameters' dtype), each leaf written
+    once (an optimisation barrier). Without it XLA fuses the slice of the flat draw :math:`m + \sigma\epsilon`
+    into every consumer of a small leaf (a bias is read by the forward and the backward pass), recomputing it there,
+    and its cost analysis then charges each such fusion with the whole flat operands (two passes over the
+    parameters per consumer: 170 passes instead of 40 for a 12-block transformer)."""
+    return lax.optimization_barrier(layout.to_params(flat))
 
 
 def _monte_carlo(fn, keys, vmap_samples):
@@ -99,24 +86,15 @@ def price(ess, mc_samples=1, hess_approx="price", vmap_samples=True, noise_rng="
 
         def one(k):
             theta, noise = draw(k, state, ess, noise_rng)
-            if noise_rng == "hash" and not gradsq:
-                # the same noise regenerated from its counters where the curvature uses it (a fresh instance: XLA
-                # would otherwise keep the first one in memory, one more write and read per weight)
-                k2, p2 = lax.optimization_barrier((k, state.precision))
-                noise = draw(k2, state._replace(precision=p2), ess, noise_rng)[1]
             loss, g = jax.value_and_grad(loss_fn)(unravel_materialised(layout, theta), *args)
-            g = _state_tree(state, g)
-            return loss, g, _map(lambda gi, ni: gi * gi if gradsq else ni * gi, g, noise)
+            g = layout.ravel(g)
+            return loss, g, (g * g if gradsq else noise * g)
 
         loss, g, stat = _monte_carlo(one, jax.random.split(key, mc_samples), vmap_samples)
-        return Estimate(loss, g, _map(lambda si, p: ess * (si if gradsq else p * si), stat, state.precision))
+        return Estimate(loss, g, ess * (stat if gradsq else state.precision * stat))
 
     def from_grads(state, g, noise):
-        g = _state_tree(state, g)
-        if gradsq:
-            return Estimate(jnp.nan, g, _map(lambda gi: ess * (gi * gi), g))
-        noise = state.tree(noise)
-        return Estimate(jnp.nan, g, _map(lambda gi, p, ni: ess * (p * ni * gi), g, state.precision, noise))
+        return Estimate(jnp.nan, g, ess * (g * g if gradsq else state.precision * noise * g))
 
     estimate.from_grads, estimate.sampled = from_grads, True
     return estimate
@@ -126,14 +104,14 @@ def price_from_samples(state, grads, noises, ess, hess_approx="price"):
     r""":func:`price`'s statistics from gradients ``grads`` at ``mean + noises`` computed by the caller: one
     pytree each, pytrees with a leading Monte Carlo axis, or lists of pytrees."""
     like = state.params
-    grads = _map(lambda x, m: x.astype(m.dtype), stack_samples(grads, like, "grads"), state.mean)
-    g = _map(lambda x: jnp.mean(x, axis=0), grads)
+    grads = state.layout.ravel_batched(stack_samples(grads, like, "grads"))
+    g = jnp.mean(grads, axis=0)
     if hess_approx == "gradsq":
-        return Estimate(jnp.nan, g, _map(lambda x: ess * jnp.mean(x * x, axis=0), grads))
-    noises = _map(lambda x, m: x.astype(m.dtype), stack_samples(noises, like, "noises"), state.mean)
-    if jax.tree.leaves(noises)[0].shape[0] != jax.tree.leaves(grads)[0].shape[0]:
+        return Estimate(jnp.nan, g, ess * jnp.mean(grads * grads, axis=0))
+    noises = state.layout.ravel_batched(stack_samples(noises, like, "noises"))
+    if noises.shape[0] != grads.shape[0]:
         raise ValueError("grads and noises must hold the same number of Monte Carlo samples.")
-    return Estimate(jnp.nan, g, _map(lambda p, n, x: ess * p * jnp.mean(n * x, axis=0), state.precision, noises, grads))
+    return Estimate(jnp.nan, g, ess * state.precision * jnp.mean(noises * grads, axis=0))
 
 
 def gauss_newton_from_grads(state, per_example_grads):
@@ -154,8 +132,10 @@ def gauss_newton_from_grads(state, per_example_grads):
         raise ValueError(
             "per-example grads need a leading example axis (M, *shape) or sample and example axes (S, M, *shape)."
         )
-    per = _map(lambda g, mu: g.reshape((-1,) + g.shape[2:]).astype(mu.dtype), per_example_grads, state.mean)
-    return Estimate(jnp.nan, _map(lambda g: jnp.mean(g, axis=0), per), _map(lambda g: jnp.mean(g * g, axis=0), per))
+    leaves = jax.tree.leaves(per_example_grads)
+    s, m = leaves[0].shape[:2]
+    flat = state.layout.ravel_batched(jax.tree.map(lambda g: g.reshape((s * m,) + g.shape[2:]), per_example_grads))
+    return Estimate(jnp.nan, jnp.mean(flat, axis=0), jnp.mean(flat * flat, axis=0))
 
 
 def check_batch(batch, what="batch"):
@@ -197,15 +177,14 @@ def gauss_newton(ess=None, mc_samples=1, noise_rng="jax"):
         in_axes = (None,) + (0,) * len(batch)
         value_and_grads = jax.vmap(jax.value_and_grad(per_example_loss), in_axes=in_axes)
         if ess is None:
-            thetas = _map(lambda x: x[None], state.mean)
+            thetas = state.mean[None]
         else:
             keys = jax.random.split(key, mc_samples)
             thetas = jax.vmap(lambda k: draw(k, state, ess, noise_rng)[0])(keys)
-        losses, grads = jax.vmap(lambda th: value_and_grads(layout.cast(th), *batch))(thetas)
-        # (S, M, *shape) per leaf, in the state's dtype
-        per = _map(lambda g, mu: g.reshape((-1,) + mu.shape).astype(mu.dtype), grads, state.mean)
-        return Estimate(jnp.mean(losses), _map(lambda g: jnp.mean(g, axis=0), per),
-                        _map(lambda g: jnp.mean(g * g, axis=0), per))
+        losses, grads = jax.vmap(lambda th: value_and_grads(layout.to_params(th), *batch))(thetas)
+        flat = jax.vmap(layout.ravel_batched)(grads).astype(state.mean.dtype)  # (S, M, size), in the state's dtype
+        flat = flat.reshape((-1, flat.shape[-1]))
+        return Estimate(jnp.mean(losses), jnp.mean(flat, axis=0), jnp.mean(flat * flat, axis=0))
 
     def from_grads(state, g, noise, squared_grads=None):
         del noise
@@ -215,7 +194,7 @@ def gauss_newton(ess=None, mc_samples=1, noise_rng="jax"):
                 "pass squared_grads=jax.tree.map(lambda g: jnp.mean(g**2, 0), nb.deep.per_example_grads(...)) "
                 "to the transformation's update."
             )
-        return Estimate(jnp.nan, _state_tree(state, g), _state_tree(state, squared_grads))
+        return Estimate(jnp.nan, g, state.layout.ravel(squared_grads))
 
     estimate.from_grads, estimate.sampled = from_grads, ess is not None
     return estimate
@@ -228,13 +207,12 @@ def gradient(squared=False):
     def estimate(key, state, loss_fn, *args):
         del key
         loss, g = jax.value_and_grad(loss_fn)(state.params, *args)
-        g = _state_tree(state, g)
-        return Estimate(loss, g, _map(lambda x: x * x, g) if squared else None)
+        g = state.layout.ravel(g)
+        return Estimate(loss, g, g * g if squared else None)
 
     def from_grads(state, g, noise):
         del noise
-        g = _state_tree(state, g)
-        return Estimate(jnp.nan, g, _map(lambda x: x * x, g) if squared else None)
+        return Estimate(jnp.nan, g, g * g if squared else None)
 
     estimate.from_grads, estimate.sampled = from_grads, False
     return estimate
@@ -242,8 +220,8 @@ def gradient(squared=False):
 
 def gradient_from_grads(state, grads, squared=False):
     """:func:`gradient`'s statistics from the gradient at the mean computed by the caller."""
-    g = _state_tree(state, grads)
-    return Estimate(jnp.nan, g, _map(lambda x: x * x, g) if squared else None)
+    g = state.layout.ravel(grads)
+    return Estimate(jnp.nan, g, g * g if squared else None)
 
 
 def sharpness_aware(ess, rho, damping, msharpness=1, noise_rng="jax"):
@@ -257,9 +235,9 @@ def sharpness_aware(ess, rho, damping, msharpness=1, noise_rng="jax"):
     def group(key, state, loss_fn, args):
         layout = state.layout
         theta, _ = draw(key, state, ess, noise_rng)
-        g = _state_tree(state, jax.grad(loss_fn)(layout.cast(theta), *args))
-        loss, g_rho = jax.value_and_grad(loss_fn)(layout.cast(sharpness_point(state, g, rho)), *args)
-        return loss, _state_tree(state, g_rho), _map(lambda p, x: jnp.sqrt(p) * jnp.abs(x), state.precision, g)
+        g = layout.ravel(jax.grad(loss_fn)(layout.to_params(theta), *args))
+        loss, g_rho = jax.value_and_grad(loss_fn)(layout.to_params(sharpness_point(state, g, rho)), *args)
+        return loss, layout.ravel(g_rho), jnp.sqrt(state.precision) * jnp.abs(g)
 
     def estimate(key, state, loss_fn, *args):
         keys = jax.random.split(key, msharpness)
@@ -276,23 +254,21 @@ def sharpness_aware(ess, rho, damping, msharpness=1, noise_rng="jax"):
                 return a.reshape(msharpness, a.shape[0] // msharpness, *a.shape[1:])
 
             losses, g_rho, curv = jax.vmap(lambda k, a: group(k, state, loss_fn, a))(keys, jax.tree.map(split, args))
-            mean0 = lambda x: jnp.mean(x, axis=0)  # noqa: E731
-            loss, g_rho, curv = jnp.mean(losses), _map(mean0, g_rho), _map(mean0, curv)
-        return Estimate(loss, g_rho, _map(lambda c: c + damping, curv))
+            loss, g_rho, curv = jnp.mean(losses), jnp.mean(g_rho, axis=0), jnp.mean(curv, axis=0)
+        return Estimate(loss, g_rho, curv + damping)
 
     return estimate
 
 
 def sharpness_point(state, grad, rho):
-    r"""bSAM's adversarial point :math:`m + \rho\, g / p` (a pytree like the parameters)."""
-    return _map(lambda m, g, p: m + rho * g / p, state.mean, state.tree(grad), state.precision)
+    r"""bSAM's adversarial point :math:`m + \rho\, g / p` (flat)."""
+    return state.mean + rho * grad / state.precision
 
 
 def sharpness_aware_from_grads(state, grads, perturbed_grads, damping):
     """:func:`sharpness_aware`'s statistics from gradients at the samples and at the adversarial points
     computed by the caller (one pytree each, or with a leading group axis / a list: averaged)."""
     like = state.params
-    g = _map(lambda x, m: x.astype(m.dtype), stack_samples(grads, like, "grads"), state.mean)
-    g_rho = _map(lambda x, m: x.astype(m.dtype), stack_samples(perturbed_grads, like, "perturbed_grads"), state.mean)
-    return Estimate(jnp.nan, _map(lambda x: jnp.mean(x, axis=0), g_rho),
-                    _map(lambda p, x: jnp.mean(jnp.sqrt(p) * jnp.abs(x), axis=0) + damping, state.precision, g))
+    g = state.layout.ravel_batched(stack_samples(grads, like, "grads"))
+    g_rho = state.layout.ravel_batched(stack_samples(perturbed_grads, like, "perturbed_grads"))
+    return Estimate(jnp.nan, jnp.mean(g_rho, axis=0), jnp.mean(jnp.sqrt(state.precision) * jnp.abs(g), axis=0) + damping)

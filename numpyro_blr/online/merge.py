@@ -141,7 +141,7 @@ def posterior_precision(state, ess):
         raise ValueError(f"state must be a DiagonalState (from nb.ivon(...).init/step), got {type(state).__name__}.")
     if isinstance(ess, bool) or not isinstance(ess, numbers.Number) or not ess > 0 or not np.isfinite(ess):
         raise ValueError(f"ess must be a finite number > 0 (the effective sample size the state was trained with), got {ess!r}.")
-    return state.tree(jax.tree.map(lambda p: ess * p, state.precision))
+    return state.tree(ess * state.precision)
 
 
 def task_arithmetic(start, tasks, alpha=None):

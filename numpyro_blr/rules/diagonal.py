@@ -51,22 +51,21 @@ import jax.numpy as jnp
 
 from numpyro_blr.core import StepInfo, value_at
 from numpyro_blr.rules.blr import diagonal_precision_update
-from numpyro_blr.tree import FlatLayout, normal_like
+from numpyro_blr.tree import FlatLayout
 
 
 class DiagonalPrior(NamedTuple):
     r"""A diagonal Gaussian prior :math:`\mathcal N(m_0, \operatorname{diag}(1/(N_0\,\delta_0)))` over the weights.
 
-    ``mean``       :math:`m_0`: a pytree like the parameters (as :meth:`DiagonalState.as_prior` gives), a flat
-                   vector over all weights (in ``jax.tree.leaves`` order), or a scalar;
+    ``mean``       :math:`m_0`: a flat vector (the state's layout), a pytree like the parameters, or a scalar;
     ``precision``  :math:`\delta_0`, the per-example precision (like ``DiagonalState.precision``): same forms,
                    every entry > 0;
     ``ess``        :math:`N_0`, the number of examples ``precision`` is per (:math:`N_0\delta_0` is the prior's
                    precision); None: the ``ess`` of the row it is given to.
 
     :meth:`DiagonalState.as_prior` makes one from a fitted state (the posterior of the previous task); the weight
-    decay :math:`\delta` of a row is ``DiagonalPrior(0.0, delta)``. Inside a state (``state.prior``) both are pytrees
-    like the parameters, in the state's dtype, and per example of that row's ``ess`` (``ess`` None).
+    decay :math:`\delta` of a row is ``DiagonalPrior(0.0, delta)``. Inside a state (``state.prior``) both arrays are
+    flat, in the state's dtype, and per example of that row's ``ess`` (``ess`` None).
     """
 
     mean: Any
@@ -75,28 +74,23 @@ class DiagonalPrior(NamedTuple):
 
 
 class DiagonalState(NamedTuple):
-    r"""State of a diagonal row: :math:`q = \mathcal N(m, \operatorname{diag}(1/(N p)))` over the weights.
+    r"""State of a diagonal row: :math:`q = \mathcal N(m, \operatorname{diag}(1/(N p)))` over flat weights.
 
-    Every array is kept per leaf, a pytree like the parameters (in the state's dtype), as optax keeps its
-    moments: a step is elementwise work on each leaf, with no concatenation of the gradient into one vector
-    and no split of the weights back into leaves.
-
-    ``mean``       :math:`m`, a pytree like the parameters (``params`` gives it in the parameters' dtype);
-    ``precision``  :math:`p`, the per-example precision, a pytree (:math:`N p` is :math:`q`'s precision;
+    ``mean``       :math:`m`, flat (``params`` gives it as the weights' pytree);
+    ``precision``  :math:`p`, the per-example precision, flat (:math:`N p` is :math:`q`'s precision;
                    for IVON :math:`p = h + \delta`, for VOGN :math:`s + \delta`, for Adam the second
                    moment :math:`\nu = -2\lambda_2`);
-    ``momentum``   :math:`\bar g`, a pytree;
+    ``momentum``   :math:`\bar g`, flat;
     ``count``      steps taken (skipped steps are not counted), int32;
     ``skipped``    how many steps were skipped for a non-finite estimate or result, int32;
-    ``layout``     the :class:`~numpyro_blr.tree.FlatLayout` of the weights (static: structure, shapes and the
-                   parameters' dtype);
+    ``layout``     the :class:`~numpyro_blr.tree.FlatLayout` of the weights (static);
     ``prior``      None (the row's weight decay is the prior) or a :class:`DiagonalPrior` that replaces it
-                   (pytrees like the parameters, per example of the row's ``ess``): the rows' ``prior=`` option.
+                   (flat arrays, per example of the row's ``ess``): the rows' ``prior=`` option.
     """
 
-    mean: Any
-    precision: Any
-    momentum: Any
+    mean: jax.Array
+    precision: jax.Array
+    momentum: jax.Array
     count: jax.Array
     skipped: jax.Array
     layout: FlatLayout
@@ -114,17 +108,11 @@ class DiagonalState(NamedTuple):
     @property
     def params(self):
         """The mean as the weights' pytree (in the parameters' dtype: bfloat16 parameters keep a float32 state)."""
-        return self.layout.cast(self.mean)
+        return self.layout.to_params(self.mean)
 
-    def tree(self, x):
-        """``x`` as the weights' pytree: a pytree like the parameters (the state's arrays are already per leaf) is
-        returned as it is, a flat vector over all weights (``jax.tree.leaves`` order) is split into leaves."""
-        return x if self.layout.is_tree(x) else self.layout.unravel(x)
-
-    def flat(self, x):
-        """A pytree like the parameters (``mean``, ``precision``, ...) as one flat vector, in its own dtype
-        (``jax.tree.leaves`` order; for inspection and comparison, not used by the step)."""
-        return flat_leaves(x)
+    def tree(self, flat):
+        """Any flat vector of the state (``precision``, ``momentum``) as the weights' pytree."""
+        return self.layout.unravel(flat)
 
 
 class DiagonalRule(NamedTuple):
@@ -147,14 +135,8 @@ class DiagonalRule(NamedTuple):
     nesterov: bool = False
 
 
-def flat_leaves(tree):
-    """The leaves of ``tree`` concatenated into one vector (``jax.tree.leaves`` order)."""
-    leaves = [jnp.ravel(x) for x in jax.tree.leaves(tree)]
-    return leaves[0] if len(leaves) == 1 else jnp.concatenate(leaves)
-
-
 def init_diagonal(params, precision_init, state_dtype=None):
-    """A fresh :class:`DiagonalState`: ``mean = params``, ``precision = precision_init``, zero momentum (per leaf).
+    """A fresh :class:`DiagonalState`: ``mean = params`` (flattened), ``precision = precision_init``, zero momentum.
 
     The state is kept in :func:`numpyro_blr.tree.state_dtype` (``state_dtype``; default float32 for bfloat16 or
     float16 parameters, the parameters' dtype otherwise): the loss then sees the weights in the parameters' dtype
@@ -164,11 +146,9 @@ def init_diagonal(params, precision_init, state_dtype=None):
 
     check_params(params)
     layout = FlatLayout.of(params)
-    dt = _state_dtype(layout.dtype, state_dtype)
-    mean = layout.treedef.unflatten([jnp.asarray(x).astype(dt) for x in layout.treedef.flatten_up_to(params)])
+    mean = layout.ravel(jax.tree.map(jnp.asarray, params)).astype(_state_dtype(layout.dtype, state_dtype))
     zero = jnp.zeros((), jnp.int32)
-    precision = jax.tree.map(lambda x: jnp.full_like(x, precision_init), mean)
-    return DiagonalState(mean, precision, jax.tree.map(jnp.zeros_like, mean), zero, zero, layout)
+    return DiagonalState(mean, jnp.full_like(mean, precision_init), jnp.zeros_like(mean), zero, zero, layout)
 
 
 def _check_prior_ess(ess, name):
@@ -181,19 +161,18 @@ def _is_concrete(x):
     return not isinstance(x, jax.core.Tracer)
 
 
-def _tree_prior_array(x, layout, dtype, name):
-    """``x`` (a scalar, a flat vector of ``layout.size`` entries or a pytree like the parameters) as a pytree like the
-    parameters in ``dtype``."""
+def _flat_prior_array(x, layout, dtype, name):
+    """``x`` (a scalar, a flat vector of ``layout.size`` entries or a pytree like the parameters) as a flat vector."""
     size = layout.size
     leaves, treedef = jax.tree.flatten(x)
     if jax.tree_util.treedef_is_leaf(treedef):  # one array (or a number): a scalar, the flat vector or the one leaf
         arr = jnp.asarray(leaves[0]) if leaves else None
-        if arr is not None and treedef == layout.treedef and (arr.shape,) == layout.shapes:
-            return arr.astype(dtype)
         if arr is not None and arr.ndim == 0:
-            return layout.treedef.unflatten([jnp.full(s, arr, dtype) for s in layout.shapes])
+            return jnp.full((size,), arr, dtype)
         if arr is not None and arr.shape == (size,):
-            return layout.unravel(arr.astype(dtype))
+            return arr.astype(dtype)
+        if arr is not None and treedef == layout.treedef and (arr.shape,) == layout.shapes:
+            return jnp.reshape(arr, (-1,)).astype(dtype)
         raise ValueError(
             f"{name} has shape {None if arr is None else arr.shape}: it must be a scalar, a flat vector of {size} "
             "entries (the parameters' layout, as DiagonalState.as_prior gives) or a pytree like the parameters."
@@ -203,20 +182,13 @@ def _tree_prior_array(x, layout, dtype, name):
     shapes = tuple(tuple(jnp.shape(v)) for v in leaves)
     if shapes != layout.shapes:
         raise ValueError(f"{name} has leaves of shapes {shapes}, but the parameters have {layout.shapes}.")
-    return treedef.unflatten([jnp.asarray(v).astype(dtype) for v in leaves])
-
-
-def _all(pred, tree):
-    return all(bool(jnp.all(pred(v))) for v in jax.tree.leaves(tree))
-
-
-def _min(tree):
-    return min(float(jnp.min(v)) for v in jax.tree.leaves(tree))
+    flat = [jnp.reshape(jnp.asarray(v), (-1,)).astype(dtype) for v in leaves]
+    return flat[0] if len(flat) == 1 else jnp.concatenate(flat)
 
 
 def resolve_prior(prior, layout, dtype, ess):
     """``prior`` (a :class:`DiagonalPrior`, or a :class:`DiagonalState` for its posterior at the row's ``ess``) as the
-    :class:`DiagonalPrior` a state carries: pytrees like the parameters in ``dtype``, the precision per example of ``ess`` (the
+    :class:`DiagonalPrior` a state carries: flat arrays in ``dtype``, the precision per example of ``ess`` (the
     row's). Raises ``ValueError`` naming the argument for a mismatch with the parameters' layout or a precision
     that is not positive and finite."""
     if isinstance(prior, DiagonalState):
@@ -231,27 +203,26 @@ def resolve_prior(prior, layout, dtype, ess):
             "prior must be a DiagonalPrior (state.as_prior(ess=...) for a fitted state's posterior) or a "
             f"DiagonalState, got {type(prior).__name__}."
         )
-    mean = _tree_prior_array(prior.mean, layout, dtype, "prior.mean")
-    precision = _tree_prior_array(prior.precision, layout, dtype, "prior.precision")
+    mean = _flat_prior_array(prior.mean, layout, dtype, "prior.mean")
+    precision = _flat_prior_array(prior.precision, layout, dtype, "prior.precision")
     if prior.ess is not None:
         if ess is None:
             raise ValueError("prior.ess is given but the row has no ess (a point estimate): leave prior.ess as None.")
         prior_ess = _check_prior_ess(prior.ess, "prior.ess")
         if prior_ess != ess:
-            precision = jax.tree.map(lambda v: v * jnp.asarray(prior_ess / ess, dtype), precision)
-    concrete = all(_is_concrete(v) for v in jax.tree.leaves((mean, precision)))
-    if concrete and not _all(jnp.isfinite, mean):
+            precision = precision * jnp.asarray(prior_ess / ess, dtype)
+    if _is_concrete(mean) and not bool(jnp.all(jnp.isfinite(mean))):
         raise ValueError("prior.mean must be finite.")
-    if concrete and not _all(lambda v: jnp.isfinite(v) & (v > 0), precision):
+    if _is_concrete(precision) and not bool(jnp.all(jnp.isfinite(precision) & (precision > 0))):
         raise ValueError(
-            f"prior.precision must be positive and finite everywhere (smallest entry {_min(precision)!r})."
+            f"prior.precision must be positive and finite everywhere (smallest entry {float(jnp.min(precision))!r})."
         )
     return DiagonalPrior(mean, precision)
 
 
 def weight_decay_prior(mean, weight_decay):
     r"""The weight decay :math:`\delta` as the prior a state carries: mean 0, per-example precision :math:`\delta`."""
-    return DiagonalPrior(jax.tree.map(jnp.zeros_like, mean), jax.tree.map(lambda x: jnp.full_like(x, weight_decay), mean))
+    return DiagonalPrior(jnp.zeros_like(mean), jnp.full_like(mean, weight_decay))
 
 
 def with_prior(state, prior, ess, weight_decay=0.0):
@@ -259,92 +230,63 @@ def with_prior(state, prior, ess, weight_decay=0.0):
     :func:`resolve_prior`'s, with the precision started at the prior's (the posterior starts as the prior)."""
     if prior is True:
         return state._replace(prior=weight_decay_prior(state.mean, weight_decay))
-    resolved = resolve_prior(prior, state.layout, _dtype_of(state.mean), ess)
+    resolved = resolve_prior(prior, state.layout, state.mean.dtype, ess)
     return state._replace(precision=resolved.precision, prior=resolved)
 
 
-def _dtype_of(tree):
-    leaves = jax.tree.leaves(tree)
-    return jnp.result_type(*leaves) if leaves else jnp.dtype(jnp.float32)
-
-
 def diagonal_update(rule: DiagonalRule, state: DiagonalState, grad, hessian=None, loss=jnp.nan):
-    r"""One step of the rule from :math:`\hat g` and :math:`\hat h` (``hessian``, None when ``rule.beta2`` is None),
-    pytrees like the parameters (a flat vector over all weights is also accepted); returns
-    ``(state, StepInfo(loss, skipped))``. The step is elementwise work on each leaf."""
-    layout = state.layout
-    treedef = layout.treedef
-    m, p, mom = (treedef.flatten_up_to(x) for x in (state.mean, state.precision, state.momentum))
-    dt = jnp.result_type(*m) if m else jnp.dtype(jnp.float32)
-    grad = treedef.flatten_up_to(state.tree(grad))
-    hessian = None if rule.beta2 is None else treedef.flatten_up_to(state.tree(hessian))
+    """One step of the rule from flat :math:`\\hat g` and :math:`\\hat h` (``hessian``, None when
+    ``rule.beta2`` is None); returns ``(state, StepInfo(loss, skipped))``."""
+    m, p, mom = state.mean, state.precision, state.momentum
+    dt = m.dtype
     t = state.count + 1
     alpha = value_at(rule.lr, state.count)
     prior = state.prior
-    if prior is not None:
-        prior_m, prior_p = treedef.flatten_up_to(prior.mean), treedef.flatten_up_to(prior.precision)
-    debias = None
-    if not rule.heavy_ball and rule.debias and rule.beta1:
-        debias = 1.0 - jnp.asarray(rule.beta1, dt) ** t.astype(dt)
-    debias_p = None
-    if rule.sqrt_precision and rule.debias_precision:
-        debias_p = 1.0 - jnp.asarray(rule.beta2, dt) ** t.astype(dt)
-    scale = alpha * rule.lr_scale
-
-    def leaf(i):
-        mi, pi, momi = m[i], p[i], mom[i]
-        g0 = grad[i].astype(dt)
-        if prior is None:  # the weight decay: a scalar delta, N(0, 1/(N delta)); nothing when delta = 0
-            delta = rule.weight_decay
-            h_decay = delta if delta else None
-            g_decay = delta * mi if delta else None
-        else:  # the state's prior N(m_0, 1/(N delta_0)) replaces it
-            h_decay = prior_p[i]
-            g_decay = prior_p[i] * (mi - prior_m[i])
-        if rule.beta2 is not None:
-            hi = hessian[i].astype(dt)
-            h = hi if h_decay is None else hi + h_decay
-            p_new = diagonal_precision_update(pi, h, 1.0 - rule.beta2, rule.positivity)
-        else:
-            p_new = pi
-        g = g0 + g_decay if (rule.decay_in_momentum and g_decay is not None) else g0
-        if rule.heavy_ball:  # optax.trace: g + beta1 * trace; nesterov steps along g + beta1 * new trace
-            mom_new = g + rule.beta1 * momi if rule.beta1 else g
-            direction = g + rule.beta1 * mom_new if rule.nesterov else mom_new
-        else:
-            mom_new = rule.beta1 * momi + (1.0 - rule.beta1) * g if rule.beta1 else g
-            direction = mom_new if debias is None else mom_new / debias
-        if g_decay is not None and not rule.decay_in_momentum:
-            direction = direction + g_decay
-        if rule.sqrt_precision:
-            q = p_new / debias_p if debias_p is not None else p_new
-            step = direction * jax.lax.rsqrt(q + rule.eps) if rule.eps_in_sqrt else direction / (jnp.sqrt(q) + rule.eps)
-        elif rule.beta2 is None:
-            step = direction
-        else:
-            step = direction / p_new
-        if rule.clip_radius != float("inf"):
-            step = jnp.clip(step, -rule.clip_radius, rule.clip_radius)
-        # x - x is 0 for finite x and NaN for +-inf/NaN: added to the new mean (in the fusion that computes it from
-        # p_new and mom_new anyway), it makes the mean non-finite iff any of the three is, and leaves it unchanged
-        # otherwise; the skip then needs one reduction per leaf (a non-finite grad or hessian makes mom_new or
-        # p_new non-finite; m, p, mom are finite)
-        m_new = (mi - scale * step + ((p_new - p_new) + (mom_new - mom_new))).astype(dt)
-        return m_new, p_new.astype(dt), mom_new.astype(dt), jnp.sum(m_new - m_new)
-
-    out = [leaf(i) for i in range(len(m))]
-    ok = jnp.isfinite(sum((o[3] for o in out), jnp.zeros((), dt)))
-
-    def pick(j, old):
-        return treedef.unflatten([jnp.where(ok, o[j], x) for o, x in zip(out, old)])
-
+    if prior is None:  # the weight decay: a scalar delta, N(0, 1/(N delta)); nothing when delta = 0
+        delta = rule.weight_decay
+        h_decay = delta if delta else None
+        g_decay = delta * m if delta else None
+    else:  # the state's prior N(m_0, 1/(N delta_0)) replaces it
+        h_decay = prior.precision
+        g_decay = prior.precision * (m - prior.mean)
+    if rule.beta2 is not None:
+        h = hessian if h_decay is None else hessian + h_decay
+        p_new = diagonal_precision_update(p, h, 1.0 - rule.beta2, rule.positivity)
+    else:
+        p_new = p
+    g = grad + g_decay if (rule.decay_in_momentum and g_decay is not None) else grad
+    if rule.heavy_ball:  # optax.trace: g + beta1 * trace; nesterov steps along g + beta1 * new trace
+        mom_new = g + rule.beta1 * mom if rule.beta1 else g
+        direction = g + rule.beta1 * mom_new if rule.nesterov else mom_new
+    else:
+        mom_new = rule.beta1 * mom + (1.0 - rule.beta1) * g if rule.beta1 else g
+        direction = mom_new
+        if rule.debias and rule.beta1:
+            direction = direction / (1.0 - jnp.asarray(rule.beta1, dt) ** t.astype(dt))
+    if g_decay is not None and not rule.decay_in_momentum:
+        direction = direction + g_decay
+    if rule.sqrt_precision:
+        q = p_new / (1.0 - jnp.asarray(rule.beta2, dt) ** t.astype(dt)) if rule.debias_precision else p_new
+        step = direction * jax.lax.rsqrt(q + rule.eps) if rule.eps_in_sqrt else direction / (jnp.sqrt(q) + rule.eps)
+    elif rule.beta2 is None:
+        step = direction
+    else:
+        step = direction / p_new
+    if rule.clip_radius != float("inf"):
+        step = jnp.clip(step, -rule.clip_radius, rule.clip_radius)
+    # x - x is 0 for finite x and NaN for +-inf/NaN: added to the new mean (in the fusion that computes it from
+    # p_new and mom_new anyway), it makes the mean non-finite iff any of the three is, and leaves it unchanged
+    # otherwise; the skip then needs one reduction over one vector (a non-finite grad or hessian makes mom_new or
+    # p_new non-finite; m, p, mom are finite)
+    m_new = (m - alpha * rule.lr_scale * step + ((p_new - p_new) + (mom_new - mom_new))).astype(dt)
+    ok = jnp.isfinite(jnp.sum(m_new - m_new))
     new = DiagonalState(
-        pick(0, m),
-        pick(1, p),
-        pick(2, mom),
+        jnp.where(ok, m_new, m),
+        jnp.where(ok, p_new, p),
+        jnp.where(ok, mom_new, mom),
         jnp.where(ok, t, state.count),
         state.skipped + jnp.where(ok, 0, 1).astype(jnp.int32),
-        layout,
+        state.layout,
         prior,
     )
     return new, StepInfo(loss, ~ok)
@@ -369,6 +311,8 @@ def diagonal_algorithm(estimator, rule: DiagonalRule, precision_init, ess=None, 
     """
     from jax import lax
 
+    from numpyro_blr.tree import standard_normal
+
     def init(params, prior=None):
         state = init_diagonal(params, precision_init, state_dtype)
         prior = prior if prior is not None else parts.prior
@@ -389,11 +333,11 @@ def diagonal_algorithm(estimator, rule: DiagonalRule, precision_init, ess=None, 
         """``n`` draws of the weights (pytree, leading axis ``n``); draw ``s`` uses ``jax.random.split(key, n)[s]``."""
         m = state.mean
         if ess is None:
-            return state.layout.cast(jax.tree.map(lambda x: jnp.broadcast_to(x, (n,) + x.shape), m))
-        scale = jax.tree.map(lambda p, x: jax.lax.rsqrt(ess * p).astype(x.dtype), state.precision, m)
+            return state.layout.to_params(jnp.broadcast_to(m, (n,) + m.shape))
+        scale = jax.lax.rsqrt(ess * state.precision).astype(m.dtype)
         keys = jax.random.split(key, n)
-        eps = jax.vmap(lambda k: normal_like(k, m, rng=noise_rng))(keys)
-        return state.layout.cast(jax.tree.map(lambda x, e, sc: x + e * sc, m, eps, scale))
+        eps = jax.vmap(lambda k: standard_normal(k, m.shape[0], m.dtype, noise_rng))(keys)
+        return state.layout.to_params(m + eps * scale)
 
     from numpyro_blr.core import Algorithm
 
@@ -419,8 +363,8 @@ class TransformState(NamedTuple):
     the parameters) and with the key of the current weight draw (:func:`perturbed`) and the prior
     (``DiagonalState.prior``)."""
 
-    precision: Any
-    momentum: Any
+    precision: jax.Array
+    momentum: jax.Array
     count: jax.Array
     skipped: jax.Array
     key: jax.Array
@@ -430,27 +374,22 @@ class TransformState(NamedTuple):
     def as_prior(self, params, ess=None):
         """The posterior (mean ``params``, this state's precision) as a :class:`DiagonalPrior` for the next task:
         ``tx.init(params, prior=opt_state.as_prior(params, ess=n_train))``; see :meth:`DiagonalState.as_prior`."""
-        mean = _as_state_tree(self.layout, params, self.precision)
+        mean = self.layout.ravel(params).astype(self.precision.dtype)
         if ess is not None:
             ess = _check_prior_ess(ess, "ess")
         return DiagonalPrior(mean, self.precision, ess)
 
 
-def _as_state_tree(layout, params, like):
-    """``params`` (a pytree like the parameters) with each leaf in the dtype of ``like``'s (the state's) leaf."""
-    return layout.treedef.unflatten([jnp.asarray(x).astype(y.dtype) for x, y in
-                                     zip(layout.treedef.flatten_up_to(params), layout.treedef.flatten_up_to(like))])
-
-
 def _noise(parts, state):
+    from numpyro_blr.tree import standard_normal
 
     if parts.ess is None or not parts.estimator.sampled:
         return None
     key = state.key
     if parts.axis_name is not None:  # inside shard_map/pmap: each device its own draw (as step does)
         key = jax.random.fold_in(key, jax.lax.axis_index(parts.axis_name))
-    eps = normal_like(key, state.precision, rng=parts.noise_rng)
-    return jax.tree.map(lambda e, p: e * jax.lax.rsqrt(parts.ess * p).astype(p.dtype), eps, state.precision)
+    eps = standard_normal(key, state.precision.shape[0], state.precision.dtype, parts.noise_rng)
+    return eps * jax.lax.rsqrt(parts.ess * state.precision).astype(state.precision.dtype)
 
 
 def perturbed(algorithm, params, opt_state):
@@ -463,8 +402,7 @@ def perturbed(algorithm, params, opt_state):
     if noise is None:
         return params
     layout = opt_state.layout
-    return layout.treedef.unflatten([(jnp.asarray(x).astype(e.dtype) + e).astype(x.dtype) for x, e in
-                                     zip(layout.treedef.flatten_up_to(params), layout.treedef.flatten_up_to(noise))])
+    return layout.to_params(layout.ravel(params).astype(noise.dtype) + noise)
 
 
 def as_optax(algorithm, seed=0):
@@ -519,18 +457,16 @@ def as_optax(algorithm, seed=0):
         if params is None:
             raise ValueError("the BLR's optax view needs params (the mean): call tx.update(grads, opt_state, params).")
         layout = opt_state.layout
-        mean = _as_state_tree(layout, params, opt_state.precision)
+        mean = layout.ravel(params).astype(opt_state.precision.dtype)
         state = DiagonalState(mean, opt_state.precision, opt_state.momentum, opt_state.count, opt_state.skipped, layout,
                               opt_state.prior)
-        estimate = parts.estimator.from_grads(state, grads, _noise(parts, opt_state), **extra)
+        estimate = parts.estimator.from_grads(state, layout.ravel(grads), _noise(parts, opt_state), **extra)
         if parts.axis_name is not None:  # one reduction: the devices' gradient and curvature statistics averaged
             estimate = jax.lax.pmean(estimate, parts.axis_name)
         new, _ = diagonal_update(parts.rule, state, estimate.grad, estimate.hessian, estimate.loss)
         key, _ = jax.random.split(opt_state.key)
         new_opt_state = TransformState(new.precision, new.momentum, new.count, new.skipped, key, layout, new.prior)
-        updates = [(a - b).astype(jnp.result_type(x)) for a, b, x in zip(
-            layout.treedef.flatten_up_to(new.mean), layout.treedef.flatten_up_to(mean), layout.treedef.flatten_up_to(params))]
-        return layout.treedef.unflatten(updates), new_opt_state
+        return layout.to_params(new.mean - mean), new_opt_state
 
     return optax.GradientTransformationExtraArgs(init, update)
 

@@ -146,7 +146,7 @@ def test_merge_takes_ivon_states():
     states = []
     for _ in range(3):
         s = algo.init(jax.tree.map(lambda x: x + jnp.asarray(rng.normal(size=x.shape), x.dtype), params))
-        states.append(s._replace(precision=jax.tree.map(lambda p: jnp.asarray(rng.uniform(0.5, 2.0, size=p.shape), p.dtype), s.precision)))
+        states.append(s._replace(precision=jnp.asarray(rng.uniform(0.5, 2.0, size=s.precision.shape), s.precision.dtype)))
     ess = [10.0, 20.0, 5.0]
     got, prec = merge(params, states, ess=ess, prior_precision=1.0, return_precision=True)
     want, want_prec = merge(params, [s.params for s in states], [posterior_precision(s, e) for s, e in zip(states, ess)],

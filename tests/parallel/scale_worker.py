@@ -342,11 +342,6 @@ def _mlp_loss(p, xb, yb):
     return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), yb[:, None], 1))
 
 
-def _flat(tree):
-    """A per-leaf state array (or an estimate's statistic) as one flat numpy vector (jax.tree.leaves order)."""
-    return np.concatenate([np.ravel(np.asarray(x)) for x in jax.tree.leaves(tree)])
-
-
 def check_variance(reps=400):
     """The per-device-sample mode's curvature estimate vs the shared-key one: variance over keys, same
     state, same batch (IVON's Price estimator on the digits MLP, rows shuffled so the shards are alike)."""
@@ -361,8 +356,8 @@ def check_variance(reps=400):
     shared = nb.data_parallel_estimate(shared_algo, _mlp_loss, mesh)
     per_device = nb.data_parallel_estimate(pd_algo, _mlp_loss, mesh, per_device_sample=True)
     keys = jax.random.split(jax.random.PRNGKey(3), reps)
-    hs = np.stack([_flat(shared(k, state, Xs, ys).hessian) for k in keys])
-    hp = np.stack([_flat(per_device(k, state, Xs, ys).hessian) for k in keys])
+    hs = np.stack([np.asarray(shared(k, state, Xs, ys).hessian) for k in keys])
+    hp = np.stack([np.asarray(per_device(k, state, Xs, ys).hessian) for k in keys])
     var_s, var_p = hs.var(0, ddof=1), hp.var(0, ddof=1)
     ratio = float(var_s.sum() / var_p.sum())
     # What independent draws per device predict, shards being what they are: (1/k^2) sum_d Var(h_d), with
@@ -375,7 +370,7 @@ def check_variance(reps=400):
     for d in range(4):
         xd, yd = jnp.asarray(X[d * n:(d + 1) * n]), jnp.asarray(y[d * n:(d + 1) * n])
         kd = jax.random.split(jax.random.PRNGKey(100 + d), reps)
-        var_d.append(np.stack([_flat(single(k, state1, xd, yd)) for k in kd]).var(0, ddof=1))
+        var_d.append(np.stack([np.asarray(single(k, state1, xd, yd)) for k in kd]).var(0, ddof=1))
     predicted = float(var_s.sum() / (np.sum(var_d, axis=0).sum() / 16.0))
     # Monte Carlo error of the measured ratio: bootstrap over the replicates (log scale)
     b = np.random.default_rng(1)
@@ -391,7 +386,7 @@ def check_variance(reps=400):
     new, info = step(keys[0], state, Xs, ys)
     return {"ratio": ratio, "predicted": predicted, "log_ratio_sd": float(np.std(np.log(boots))), "devices": 4,
             "reps": reps, "mean_z_rms": float(np.sqrt(np.mean(z**2))), "step_loss": float(info.loss),
-            "step_spec": str(new.precision["w1"].sharding.spec)}
+            "step_spec": str(new.precision.sharding.spec)}
 
 
 def check_sharded_state(steps=5, hidden=18):
@@ -403,8 +398,7 @@ def check_sharded_state(steps=5, hidden=18):
     params = _mlp_params(hidden)
     algo = nb.ivon(0.1, ess=X.shape[0], hess_init=0.3)
     out = {}
-    # 1. the algorithm's own state (mean, precision, momentum: per leaf), split along the leading axis where it
-    # divides (w1: 64 rows); compared with one device
+    # 1. the algorithm's own state (mean, precision, momentum: flat), split; compared with one device
     state = nb.shard_state(mesh, algo.init(params))
     ref = algo.init(params)
     step = nb.data_parallel_step(algo, _mlp_loss, mesh)
@@ -412,10 +406,10 @@ def check_sharded_state(steps=5, hidden=18):
     for i in range(steps):
         state, _ = step(jax.random.PRNGKey(i), state, Xs, ys)
         ref, _ = ref_step(jax.random.PRNGKey(i), ref, X, y)
-    out["step_specs"] = [str(x["w1"].sharding.spec) for x in (state.mean, state.precision, state.momentum)]
-    out["step_shard_len"] = [int(x["w1"].addressable_shards[0].data.shape[0]) for x in (state.mean, state.precision)]
-    out["size"] = int(state.mean["w1"].shape[0])
-    out["step_diff"] = float(np.max(np.abs(_flat(state.mean) - _flat(ref.mean))))
+    out["step_specs"] = [str(x.sharding.spec) for x in (state.mean, state.precision, state.momentum)]
+    out["step_shard_len"] = [int(x.addressable_shards[0].data.shape[0]) for x in (state.mean, state.precision)]
+    out["size"] = int(state.mean.shape[0])
+    out["step_diff"] = float(np.max(np.abs(np.asarray(state.mean) - np.asarray(ref.mean))))
     # 2. the optax view: parameters split along a layer's input axis, the view's state split
     from jax.sharding import NamedSharding, PartitionSpec as P
 
@@ -435,7 +429,7 @@ def check_sharded_state(steps=5, hidden=18):
     for _ in range(steps):
         p, s = jitted(p, s, Xs, ys)
     out["param_specs"] = {k: str(v.sharding.spec) for k, v in p.items()}
-    out["view_specs"] = [str(x["w1"].sharding.spec) for x in (s.precision, s.momentum)]
+    out["view_specs"] = [str(x.sharding.spec) for x in (s.precision, s.momentum)]
     # the same steps on one device, unsharded
     pr, sr = jax.tree.map(np.asarray, params), tx.init(params)
     for _ in range(steps):

@@ -89,7 +89,7 @@ def test_step_on_quadratic_matches_numpy():
         w, s, gm = _numpy_bsam(w, s, gm, g[None], gr[None], lr=HYPER["lr"], b1=HYPER["beta1"], b2=HYPER["beta2"],
                                delta=HYPER["weight_decay"], damping=HYPER["damping"])
         np.testing.assert_allclose(state.params, w, rtol=1e-4, atol=1e-6)
-        np.testing.assert_allclose(state.flat(state.precision), s, rtol=1e-5)
+        np.testing.assert_allclose(state.precision, s, rtol=1e-5)
 
 
 def test_msharpness_splits_the_batch():
@@ -102,13 +102,13 @@ def test_msharpness_splits_the_batch():
     l = info.loss
     gs, gr, ls = [], [], []
     for k, xg in zip(jax.random.split(key, 3), x.reshape(3, 2, 2)):
-        th = state.tree(draw(k, state, HYPER["ess"], "jax")[0])  # the group's own draw
+        th = state.layout.unravel(draw(k, state, HYPER["ess"], "jax")[0])  # the group's own draw
         g = jax.grad(loss)(th, xg)
         lg, g_rho = jax.value_and_grad(loss)(sharpness_point(state, g, HYPER["radius"]), xg)
         gs.append(g), gr.append(g_rho), ls.append(lg)
     manual, _ = _update(opt, gs, gr, state)
     np.testing.assert_allclose(new.params, manual.params, rtol=1e-5)
-    np.testing.assert_allclose(new.flat(new.precision), manual.flat(manual.precision), rtol=1e-5)
+    np.testing.assert_allclose(new.precision, manual.precision, rtol=1e-5)
     np.testing.assert_allclose(l, np.mean(ls), rtol=1e-5)
     with pytest.raises(ValueError, match="divisible"):
         opt.step(key, state, loss, x[:5])

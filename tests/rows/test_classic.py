@@ -105,7 +105,7 @@ def test_adam_state_is_the_natural_parameter():
         _, s = tx.update(g, s, params)
         state, _ = opt.update(state, gradient_from_grads(state, g, squared=True))
     # the state's precision p is the Gaussian's: its natural parameter is lambda2 = -p/2
-    nat2 = state.tree(DiagonalGaussian.to_natural(state.flat(state.mean), state.flat(state.precision)).eta2)
+    nat2 = state.tree(DiagonalGaussian.to_natural(state.mean, state.precision).eta2)
     for nu, lam2 in zip(jax.tree.leaves(s[0].nu), jax.tree.leaves(nat2)):
         np.testing.assert_array_equal(-2.0 * np.asarray(lam2), np.asarray(nu))
 

@@ -25,7 +25,7 @@ def _update(opt, grads, noises, state, ess=None, hess_approx="price"):
 
 def _hess(state, delta):
     """IVON's h: the state's per-example precision minus the weight decay, as the weights' pytree."""
-    return jax.tree.map(lambda p: p - delta, state.precision)
+    return state.tree(state.precision - delta)
 
 
 def hessian_update(h, h_hat, beta2, delta):
@@ -190,7 +190,7 @@ _POS_UPDATE = jax.jit(lambda g, n, s: _POS_OPT.update(s, price_from_samples(s, g
 def test_positivity_through_update_float32(h, h_hat):
     # noise = 1 and grad = h_hat / (ess (h + delta)) make the Price estimate equal to h_hat
     h, h_hat, P = np.float32(h), np.float32(h_hat), np.float32(h) + np.float32(1e-3)
-    st0 = _POS_OPT.init({"a": jnp.zeros(16)})._replace(precision={"a": jnp.asarray(P)})
+    st0 = _POS_OPT.init({"a": jnp.zeros(16)})._replace(precision=jnp.asarray(P))
     st1, info = _POS_UPDATE({"a": jnp.asarray(h_hat / (3.0 * P))}, {"a": jnp.ones(16)}, st0)
     assert not bool(info.skipped)
     # float32 rounding of the three terms: allow a relative 1e-5 slack
@@ -238,11 +238,10 @@ def test_nonfinite_step_is_skipped():
     good, _ = update({"x": jnp.ones(3)}, {"x": 0.1 * jnp.ones(3)}, state)
     bad, info = update({"x": jnp.array([1.0, jnp.nan, 1.0])}, {"x": 0.1 * jnp.ones(3)}, good)
     assert bool(info.skipped) and int(bad.skipped) == 1 and int(bad.count) == 1
-    for a, b in zip(map(good.flat, (good.mean, good.precision, good.momentum)),
-                    map(bad.flat, (bad.mean, bad.precision, bad.momentum))):
+    for a, b in zip((good.mean, good.precision, good.momentum), (bad.mean, bad.precision, bad.momentum)):
         np.testing.assert_array_equal(a, b)
     inf, info = update({"x": jnp.full(3, 1e30)}, {"x": jnp.full(3, 1e30)}, bad)  # overflowing Hessian
-    assert bool(info.skipped) and int(inf.skipped) == 2 and np.all(np.isfinite(inf.flat(inf.precision)))
+    assert bool(info.skipped) and int(inf.skipped) == 2 and np.all(np.isfinite(inf.precision))
     again, info = update({"x": jnp.ones(3)}, {"x": 0.1 * jnp.ones(3)}, inf)
     assert not bool(info.skipped) and int(again.count) == 2 and int(again.skipped) == 2
 
@@ -363,31 +362,25 @@ def test_noise_rng_options():
         ivon(lr=0.1, ess=10.0, noise_rng="mt19937")
 
 
-def test_ivon_state_stores_per_leaf_pytrees():
-    """DiagonalState keeps m, p and the momentum per leaf, as pytrees like the parameters (no flat vector: a step
-    neither concatenates the gradient nor splits the weights); params is the mean in the parameters' dtype,
-    tree(...) accepts a pytree (as it is) or a flat vector (split), flat(...) concatenates; it is a NamedTuple
-    (_replace), and it passes through jit and lax.scan with its static layout."""
+def test_ivon_state_stores_flat_vectors_and_gives_back_the_pytrees():
+    """DiagonalState keeps m, p and the momentum as flat vectors; params / tree(...) are exact views,
+    it is a NamedTuple (_replace), and it passes through jit and lax.scan with its static layout."""
     params = {"w": jnp.arange(6.0).reshape(2, 3), "b": (jnp.array([7.0]), jnp.zeros((0,)))}
     opt = ivon(lr=0.1, ess=10.0)
     state = opt.init(params)
-    for field in (state.mean, state.precision, state.momentum):
-        assert jax.tree.structure(field) == jax.tree.structure(params)
-        assert [x.shape for x in jax.tree.leaves(field)] == [x.shape for x in jax.tree.leaves(params)]
-    assert state.flat(state.precision).shape == (7,)
+    assert state.mean.shape == (7,) and state.precision.shape == (7,)
     for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(params)):
         np.testing.assert_array_equal(a, b)
-    assert state.tree(state.precision) is state.precision
+    assert jax.tree.structure(state.tree(state.precision)) == jax.tree.structure(params)
     new_p = jax.tree.map(lambda p: p + 2.0, params)
-    np.testing.assert_array_equal(state.tree(state.layout.ravel(new_p))["w"], new_p["w"])  # a flat vector is split
-    st2 = state._replace(precision=new_p, count=jnp.int32(3))
+    st2 = state._replace(precision=state.layout.ravel(new_p), count=jnp.int32(3))
     np.testing.assert_array_equal(st2.tree(st2.precision)["w"], new_p["w"])
     assert int(st2.count) == 3 and np.all(st2.params["w"] == params["w"])
     with pytest.raises(ValueError, match="Got unexpected field names"):
         state._replace(hess=1.0)
     out = jax.jit(lambda s: s)(st2)
     assert isinstance(out, DiagonalState) and out.layout == st2.layout
-    np.testing.assert_array_equal(out.flat(out.precision), st2.flat(st2.precision))
+    np.testing.assert_array_equal(out.precision, st2.precision)
 
     def loss(p, x):
         return jnp.sum((p["w"] - x) ** 2) + jnp.sum(p["b"][0] ** 2)
@@ -481,4 +474,4 @@ def agree_in_bf16(algo, arrays, steps=10):
 
 def test_bf16_params_float32_state_agree_with_float32():
     algo = ivon(0.05, ess=200.0, hess_init=0.5, weight_decay=1e-3)
-    agree_in_bf16(algo, lambda s: (s.flat(s.mean), s.flat(s.precision)))
+    agree_in_bf16(algo, lambda s: (s.mean, s.precision))
