@@ -25,8 +25,8 @@ Rows (each fits ``--steps`` steps with one jitted ``lax.scan``, as ``SVI.run``):
            initial point and one unit either side along the first coordinate; its ELBO
            :math:`\mathbb E_q[-U - \log q]` from 2000 draws of the mixture. Yardstick: the best full Gaussian
            (``nb.BLR()`` + ``AutoMultivariateNormal`` and ELBO*): a mixture contains every Gaussian, so it should
-           end no lower. ``nb.mixture_blr`` is an ``Algorithm`` with no end-of-run report: a warning there
-           can only be Python's.
+           end no lower. Its end-of-run report is ``nb.mixture.check(state)`` (skipped steps, divergence,
+           a loss still falling), called after the run.
 
 gap = yardstick ELBO - row ELBO (2000 particles, common random numbers); ok = finite and gap <= 1 nat
 (laplace: finite; its Laplace gap, ``E_q[l] - l(mode) - D/2`` from the run's report, is printed as ``lgap``).
@@ -213,6 +213,7 @@ def mixture_rows(selected, args, t_start):
             state, _ = run(state, key)
             jax.block_until_ready(state)
             wall = time.perf_counter() - t0
+            nb.mixture.check(state)  # the end-of-run report: skipped steps, divergence, a loss still falling
         draws = opt.sample(ekey, state, 2000)
         vals = -jax.vmap(loss)(draws) - log_prob(state, draws)
         e = float(jnp.mean(vals)) if bool(jnp.all(jnp.isfinite(vals))) else float("nan")

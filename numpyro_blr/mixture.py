@@ -54,23 +54,30 @@ import numpy as np
 
 from numpyro_blr.core import Algorithm, StepInfo, all_finite, select, value_at
 from numpyro_blr.families.mixture import log_prob, log_weights, sample, weights
+from numpyro_blr.report import LossTrace, init_loss_trace, loss_trace_problems, next_loss_trace
 from numpyro_blr.rules.blr import gaussian_update
 
 COVARIANCES = ("full", "diagonal")
 
-__all__ = ["COVARIANCES", "MixtureRule", "MixtureState", "init_mixture", "log_prob", "log_weights",
-           "mixture_algorithm", "mixture_update", "modes", "sample", "weights"]
+__all__ = ["COVARIANCES", "MixtureRule", "MixtureState", "check", "init_mixture", "log_prob", "log_weights",
+           "mixture_algorithm", "mixture_update", "modes", "report", "sample", "weights"]
 
 
 class MixtureState(NamedTuple):
     r"""``means`` (K, d) :math:`m_c`; ``precision`` (K, d, d) :math:`S_c`, or (K, d) diagonals; ``logits`` (K,)
-    :math:`v_c = \log(\pi_c/\pi_K)`, last entry 0; ``count`` steps taken and ``skipped`` non-finite steps, int32."""
+    :math:`v_c = \log(\pi_c/\pi_K)`, last entry 0; ``count`` steps taken and ``skipped`` non-finite steps, int32
+    (each skipped step halves both step sizes: :math:`\rho\,2^{-\text{skipped}}`); ``trace`` the
+    :class:`~numpyro_blr.report.LossTrace` of the kept steps' losses (the evidence of :func:`report`); ``best``
+    ``(means, precision, logits)`` of the step whose loss set the trace's best average, the state a skipped step
+    returns to."""
 
     means: jax.Array
     precision: jax.Array
     logits: jax.Array
     count: jax.Array
     skipped: jax.Array
+    trace: LossTrace
+    best: Any
 
 
 class MixtureRule(NamedTuple):
@@ -103,14 +110,21 @@ def init_mixture(means, precision, logits, num_components, covariance, precision
     if logits.shape != (K,):
         raise ValueError(f"logits must have shape ({K},), got {logits.shape}.")
     zero = jnp.zeros((), jnp.int32)
-    return MixtureState(means, precision, logits - logits[-1], zero, zero)
+    logits = logits - logits[-1]
+    return MixtureState(means, precision, logits, zero, zero, init_loss_trace(dtype), (means, precision, logits))
 
 
 def mixture_update(rule: MixtureRule, state: MixtureState, estimate):
     """One BLR step of every component and of the weights from an
-    :class:`~numpyro_blr.estimators.Estimate` of :mod:`numpyro_blr.estimators.mixture`; a step that is
-    not finite is skipped. Returns ``(state, StepInfo(estimate.loss, skipped))``."""
-    lr, weight_lr = value_at(rule.lr, state.count), value_at(rule.weight_lr, state.count)
+    :class:`~numpyro_blr.estimators.Estimate` of :mod:`numpyro_blr.estimators.mixture`. A step that is not
+    finite (its estimate or its update) is skipped, as ``nb.BLR()`` and ``nb.LieGroupBLR()`` skip one: it halves
+    both step sizes for the rest of the run and returns the components and weights to ``state.best``, the
+    iterate whose loss set the run's best average (a run that diverged through finite steps before the first
+    non-finite one restarts from before the divergence, with a shorter step). Returns
+    ``(state, StepInfo(estimate.loss, skipped))``; :func:`report` reads the skipped steps and the losses."""
+    dtype = state.means.dtype
+    damping = jnp.exp2(-state.skipped.astype(dtype))  # 1 until a step is skipped: healthy runs are unchanged
+    lr, weight_lr = value_at(rule.lr, state.count) * damping, value_at(rule.weight_lr, state.count) * damping
     hess = state.precision + estimate.hessian  # H_c = S_c + G_c
     if hess.ndim == 3:
         hess = 0.5 * (hess + jnp.swapaxes(hess, -1, -2))
@@ -118,9 +132,15 @@ def mixture_update(rule: MixtureRule, state: MixtureState, estimate):
     means, precision = jax.vmap(step)(state.means, state.precision, estimate.grad.means, hess)
     logits = state.logits - weight_lr * estimate.grad.logits
     ok = all_finite(precision, means, logits)
-    means, precision, logits = select(ok, (means, precision, logits), (state.means, state.precision, state.logits))
+    current = (state.means, state.precision, state.logits)
+    means, precision, logits = select(ok, (means, precision, logits), state.best)
+    loss = jnp.mean(jnp.asarray(estimate.loss, dtype))  # multimodal optimisation: the mean of l(m_c)
+    trace = next_loss_trace(state.trace, state.count, loss)
+    improved = ok & jnp.isfinite(loss) & (trace.loss_best < state.trace.loss_best)
+    trace = select(ok, trace, state.trace)
+    best = select(improved, current, state.best)
     new = MixtureState(means, precision, logits, jnp.where(ok, state.count + 1, state.count),
-                       state.skipped + jnp.where(ok, 0, 1).astype(jnp.int32))
+                       state.skipped + jnp.where(ok, 0, 1).astype(jnp.int32), trace, best)
     return new, StepInfo(estimate.loss, ~ok)
 
 
@@ -139,6 +159,44 @@ def mixture_algorithm(estimator, rule: MixtureRule, num_components, covariance="
         return update(state, estimator(key, state, loss_fn, *args))
 
     return Algorithm(init=init, step=step, sample=sample, update=update)
+
+
+def report(state, name="nb.mixture_blr"):
+    """``[(key, message), ...]``: the problems the end state of a run shows (host-side, outside ``jit``), each
+    naming what to change: steps skipped as non-finite (each halved the step sizes and returned to the best
+    iterate), a run that diverged or whose loss was still falling at the end (:func:`numpyro_blr.report.
+    loss_trace_problems`, the tests and thresholds of ``nb.BLR()``'s and ``nb.IVON``'s reports). Empty when
+    none. ``name``: the row in the messages (``"nb.multimodal_optimization"`` for that row)."""
+    steps, skipped = int(state.count), int(state.skipped)
+    out = []
+    if skipped:
+        total = steps + skipped
+        unusable = (" The fit is not usable: most of its steps were skipped, and the last finite state is kept."
+                    if 2 * skipped > total else "")
+        out.append((("skipped", skipped, total),
+                    f"{name} skipped {skipped} of {total} step(s) because of a non-finite estimate or update (a draw "
+                    "where the loss, its gradient or Hessian overflowed, or a precision that left float range); each "
+                    "skipped step returned the components and weights to the best iterate so far and halved both step "
+                    f"sizes, now {2.0 ** -skipped:.3g} times the given ones.{unusable} Pass a smaller lr (and weight_lr), "
+                    "a larger precision_init (narrower initial components), or means started nearer the mode; check "
+                    "the loss for overflow (exp of a wide draw) in the model's log density."))
+    out += loss_trace_problems(
+        state.trace, steps, name,
+        "Pass a smaller lr (and weight_lr) or a decaying schedule (lr=lambda t: lr0 / (1 + t / 100)), or a larger "
+        "precision_init.",
+        "Continue the run from its state (more steps), or pass a larger lr if no step was skipped.")
+    return out
+
+
+def check(state, name="nb.mixture_blr"):
+    """Warn (``RuntimeWarning``, one per problem) about what :func:`report` finds in the end state of a run and
+    return its ``[(key, message), ...]``; call it after the loop (``jit``/``scan`` cannot warn)."""
+    import warnings  # noqa: PLC0415
+
+    out = report(state, name)
+    for _, message in out:
+        warnings.warn(message, RuntimeWarning, stacklevel=2)
+    return out
 
 
 def modes(state, loss_fn=None, tol=1e-2):

@@ -288,7 +288,9 @@ def mixture_blr(lr, num_components, *, weight_lr=None, covariance="full", hessia
     :mod:`numpyro_blr.mixture`): ``num_samples`` draws per component, ``hessian`` ``'autodiff'`` or ``'price'``,
     step sizes ``lr`` (components) and ``weight_lr`` (weights; default ``lr``), numbers or schedules;
     ``covariance`` ``'full'`` or ``'diagonal'``; :math:`S_c = s I` initially (``precision_init``); ``improved``
-    the positivity rule (``False``: plain). ``StepInfo.loss`` is :math:`\mathbb E_q[\ell + \log q]`."""
+    the positivity rule (``False``: plain). ``StepInfo.loss`` is :math:`\mathbb E_q[\ell + \log q]`. A non-finite step
+    is skipped, returns to the best iterate and halves both step sizes; after the loop,
+    ``numpyro_blr.mixture.check(state)`` warns about skipped steps, a diverged run or a loss still falling."""
     rule = MixtureRule(_lr(lr), _lr(lr if weight_lr is None else weight_lr), positivity_rule(improved))
     estimator = mixture_estimators.reparam(hessian, _count(num_samples, "num_samples"))
     return mixture_algorithm(estimator, rule, _count(num_components, "num_components"), covariance,
@@ -299,7 +301,8 @@ def multimodal_optimization(lr, num_components, *, weight_lr=None, covariance="f
                             improved=True, repulsion=False) -> Algorithm:
     r"""Multimodal optimisation (Khan & Rue 2023, Table 1): :func:`mixture_blr` with the delta method at each mean
     (``repulsion``: exact :math:`\log q` there). ``step(None, state, loss_fn)``; ``StepInfo.loss`` is :math:`\ell(m_c)`
-    per component; :func:`numpyro_blr.mixture.modes` reads off the distinct minima."""
+    per component; :func:`numpyro_blr.mixture.modes` reads off the distinct minima. Skipped steps as :func:`mixture_blr`;
+    ``numpyro_blr.mixture.check(state, "nb.multimodal_optimization")`` reports them after the loop."""
     rule = MixtureRule(_lr(lr), _lr(lr if weight_lr is None else weight_lr), positivity_rule(improved))
     return mixture_algorithm(mixture_estimators.delta(repulsion), rule, _count(num_components, "num_components"),
                              covariance, check_positive(precision_init, "precision_init"))

@@ -1,5 +1,7 @@
 """Mixture-of-Gaussians BLR (Lin, Khan & Schmidt 2019) and multimodal optimisation (Khan & Rue 2023)."""
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -224,3 +226,70 @@ def test_rejects_bad_arguments():
         mixture_blr(0.1, 2, hessian="fisher")
     with pytest.raises(ValueError):
         mixture_blr(0.1, 2).init(jnp.zeros((3, 2)))
+
+
+# ----------------------------------------------------------------------------- skipped steps and the end-of-run report
+# issue 25: the mixture rows skipped most steps of three robustness cases (ucbadmit_glmm, hierarchical_scales_logistic,
+# gp_pois_regr) without a word, the step size never shrinking after a skip.
+
+
+def steep(x):
+    """exp(5 x) curvature: a first step from unit-precision components overshoots and its next draws overflow."""
+    return 10.0 * jnp.sum(jnp.exp(5.0 * x)) - 50.0 * jnp.sum(x) + 0.5 * jnp.sum(x**2)  # minimum at 0
+
+
+def test_skipped_steps_are_damped_and_reported():
+    from numpyro_blr.mixture import check, report  # noqa: PLC0415 - absent before issue 25: only these tests fail
+
+    opt = mixture_blr(0.3, 2)
+    state = opt.init(jnp.array([[-1.0, 0.0], [1.0, 0.0]]))
+    run = jax.jit(lambda s, k: jax.lax.scan(lambda s, kk: opt.step(kk, s, steep), s, jax.random.split(k, 200)))
+    state, info = run(state, jax.random.PRNGKey(0))
+    # before: 95 of 200 steps skipped, the means at ~8.7 and the loss ~1e20; now the first skip returns to the best
+    # iterate with half the step, and the fit converges
+    skipped = int(state.skipped)
+    assert 1 <= skipped <= 5
+    assert int(state.count) + skipped == 200
+    assert np.all(np.isfinite(np.asarray(state.precision)))
+    np.testing.assert_array_less(np.abs(np.asarray(state.means)), 0.5)
+    assert float(jnp.mean(info.loss[-20:])) < 30.0
+    with pytest.warns(RuntimeWarning, match=f"skipped {skipped} of 200 step"):
+        problems = check(state)
+    assert problems == report(state) and problems[0][0][0] == "skipped"
+
+
+def test_skip_returns_to_best_and_halves_the_step():
+    opt = mixture_blr(0.4, 1, covariance="diagonal")
+    state = opt.init(jnp.zeros((1, 2)), precision=jnp.full((1, 2), 2.0))
+    good = Estimate(jnp.float32(3.0), MixtureGrad(jnp.ones((1, 2)), jnp.zeros(1)), jnp.ones((1, 2)))
+    bad = good._replace(hessian=jnp.full((1, 2), jnp.nan))
+    update = jax.jit(opt.update)
+    s1, i1 = update(state, good)  # a new best loss: the state it was read at is kept
+    s2, i2 = update(s1, bad)
+    assert bool(i2.skipped) and not bool(i1.skipped) and int(s2.skipped) == 1 and int(s2.count) == 1
+    np.testing.assert_array_equal(s2.means, state.means)  # returned to the best iterate
+    np.testing.assert_array_equal(s2.precision, state.precision)
+    s3, _ = update(s2, good)
+    half, _ = jax.jit(mixture_blr(0.2, 1, covariance="diagonal").update)(state, good)
+    np.testing.assert_allclose(s3.means, half.means, rtol=1e-6)  # the step after a skip is half as long
+    np.testing.assert_allclose(s3.precision, half.precision, rtol=1e-6)
+
+
+def test_healthy_runs_are_silent():
+    from numpyro_blr.mixture import check  # noqa: PLC0415
+
+    _, state = _optimise(himmelblau, 12, 2, 5.0, 200)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert check(state, "nb.multimodal_optimization") == []
+
+
+@pytest.mark.slow
+def test_healthy_mixture_fit_is_silent(fits):
+    from numpyro_blr.mixture import check  # noqa: PLC0415
+
+    (_, state), singles = fits
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for s in [state] + [s for _, s in singles]:
+            assert check(s) == []
