@@ -14,7 +14,7 @@ from numpyro_blr.estimators import discrete, implicit
 from numpyro_blr.estimators.discrete import MAX_ENUMERATE, SCORE_SAMPLES
 from numpyro_blr.families.registry import FAMILIES
 
-__all__ = ["MAX_ENUMERATE", "MAX_STEP", "SCORE_SAMPLES", "update_block"]
+__all__ = ["MAX_ENUMERATE", "MAX_STEP", "SCORE_SAMPLES", "from_natural_parameters", "natural_parameters", "update_block"]
 
 #: Trust region of one step of a Gamma, Beta or Dirichlet site: the step size is shrunk per element
 #: so that no positive parameter changes by more than this fraction of itself to first order
@@ -36,4 +36,19 @@ def update_block(block, fn, params, grads, lr, improved, key=None, max_enumerate
         est = implicit.estimate(info, raw, tuple(grads[n] for n in block.names))
     natural = info.family.to_natural(*info.constrain(raw))
     new = info.unconstrain(info.user(info.family.blr_update(natural, est.grad, lr, improved, max_step=MAX_STEP)))
+    return {n: v.astype(params[n].dtype) for n, v in zip(block.names, new)}
+
+
+def natural_parameters(block, params):
+    """The natural parameters of one EXPFAM block (the family's natural NamedTuple, one field per raw
+    parameter of the block) from the raw parameters ``params``: what ``nb.BLR``'s iterate average holds."""
+    info = FAMILIES[block.family]
+    return info.family.to_natural(*info.constrain(tuple(params[n] for n in block.names)))
+
+
+def from_natural_parameters(block, natural, params):
+    """Raw parameters ``{name: value}`` of one EXPFAM block from its natural parameters (a sequence in the
+    order of the family's natural NamedTuple), in the dtypes of ``params``."""
+    info = FAMILIES[block.family]
+    new = info.unconstrain(info.user(info.family.Natural(*natural)))
     return {n: v.astype(params[n].dtype) for n, v in zip(block.names, new)}
