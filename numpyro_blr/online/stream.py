@@ -181,7 +181,8 @@ class Stream:
                 f"Stream batch {batch}: the fitted posterior is far from this batch's posterior (k-hat "
                 f"{report.khat:.2f} > {UNRELIABLE_K}, projection error {report.projection_gap:.3g} nats); the error "
                 "carries into every later batch. A richer guide (AutoMultivariateNormal for a mean-field one) or "
-                "smaller batches reduce it.", UserWarning, stacklevel=2)
+                "larger batches (fewer projections, each of a posterior closer to a Gaussian) reduce it.",
+                UserWarning, stacklevel=2)
         return result
 
     def _update_svi(self, batch, key, args, kw):
