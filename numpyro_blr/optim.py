@@ -117,7 +117,8 @@ class BLR(GuideOptimizer):
         :math:`0.5/(1 + c/10)`, and ``get_params`` returns the exponential-family blocks
         (``ExpFamilyGuide``'s Gamma, Beta, Dirichlet, Bernoulli, Categorical sites) as the average of
         their iterates' natural parameters with the same weight (:meth:`_guide_moments` says why
-        natural ones) (see :meth:`default_lr` for sampled Hessians on full-covariance guides). A float or an optax schedule is used as given, for every block, with no average.
+        natural ones) (see :meth:`default_lr` for sampled Hessians on full-covariance guides). A float
+        or an optax schedule is used as given, for every block, with no average.
     :param hessian: how :math:`\mathbb{E}_q[\nabla^2\ell]` is estimated: ``"reparam"`` (Price/Stein,
         from the gradient w.r.t. the scale, with a same-noise baseline: two gradient passes),
         ``"price"`` (the plain one-pass Price estimator), ``"autodiff"`` (exact Hessian at the sample;
