@@ -48,6 +48,7 @@ def mvn_guide(X, y=None, constraint=constraints.lower_cholesky):
 # ---------------------------------------------------------------- item 1: hand-written guides
 
 
+@pytest.mark.slow
 def test_hand_written_normal_guide_reaches_the_exact_mean_field_posterior():
     mean, _, prec = exact_posterior()
     opt = nb.BLR(guide=normal_guide, guide_args=(X,))

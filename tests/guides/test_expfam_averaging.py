@@ -52,6 +52,7 @@ def test_gamma_poisson_average_is_near_the_exact_posterior():
     assert abs(np.mean(fits[:, 0] / fits[:, 1]) / (40.0 / 11.0) - 1.0) < 0.02  # the posterior mean
 
 
+@pytest.mark.slow
 def test_the_average_is_kept_in_natural_parameters_and_returned():
     """The state holds the running average of (a - 1, -b) under the parameters' names; ``get_params`` maps
     it back to the raw (log) parameters, and differs from the last iterate."""

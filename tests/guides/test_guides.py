@@ -206,6 +206,7 @@ def test_score_function_gradient_is_unbiased(model):
     np.testing.assert_allclose(discrete.enumeration(fam, loss_fn, params, block.loc).grad.probs, exact, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.slow
 def test_score_function_blr_reaches_the_exact_posterior_within_monte_carlo_error():
     """40 Bernoulli latents (80 loss evaluations > max_enumerate): 1000 default BLR steps.
     The logits follow lam_t = (1 - rho_t) lam_{t-1} - rho_t g_t with an unbiased g_t of constant

@@ -96,6 +96,7 @@ def test_a_short_run_is_too_short_to_judge():
     assert any("too few to judge" in w for w in warned), warned
 
 
+@pytest.mark.slow
 def test_positive_sites_and_bad_arguments():
     """Positive sites: lognormal (affine on log) with the Gaussian default, the multiplicative group theta = g xi
     when a positive q0 is given; bad optimizer arguments are named."""

@@ -41,6 +41,7 @@ def rel(a, b):
     return float(np.max(np.abs(a - b) / np.maximum(np.abs(b), 1e-8)))
 
 
+@pytest.mark.slow
 def test_bayesian_linear_regression_with_unknown_noise_precision(diabetes_np):
     X, y = diabetes_np
     X, y = X[:120, :5], y[:120]

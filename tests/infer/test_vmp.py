@@ -149,6 +149,7 @@ def test_results_convert_with_to_datatree():
 # ---------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_em_log_marginal_likelihood_never_decreases():
     """EM on a mixture with numpyro.param weights, means and scales: the log marginal likelihood, computed here
     with logsumexp, is non-decreasing over sweeps and the ELBO after the M-step is below it."""

@@ -139,6 +139,7 @@ Y6 = np.array([0.3, 1.1, 2.5, 2.0, -0.4, 0.1])
 
 
 @pytest.mark.parametrize("guide_class", [AutoNormal, AutoMultivariateNormal])
+@pytest.mark.slow
 def test_prior_density_is_the_guides_density(guide_class):
     """With the likelihood blocked, the model with the prior has log density log q(theta) at any theta: the
     guide's density of the constrained values (a positive site through its Jacobian, plates included)."""
@@ -154,6 +155,7 @@ def test_prior_density_is_the_guides_density(guide_class):
         np.testing.assert_allclose(log_p, log_q, rtol=1e-10, atol=1e-10)
 
 
+@pytest.mark.slow
 def test_expfam_guide_prior_and_gamma_poisson_stream():
     """A Gamma site's fitted distribution becomes its prior; the conjugate stream of a Gamma-Poisson model equals
     the closed-form posterior Gamma(a + sum y, b + n)."""

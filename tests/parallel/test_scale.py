@@ -179,6 +179,7 @@ def test_bad_input_messages(fast):
     assert "not a plate of the model" in r["feature_axis"] and "axis=0" in r["feature_axis"]
 
 
+@pytest.mark.slow
 def test_full_covariance_too_large_fails_at_init(monkeypatch):
     def model(y):
         z = numpyro.sample("z", dist.Normal(0.0, 1.0).expand([300]).to_event(1))

@@ -78,6 +78,7 @@ def test_what_the_average_weighs():
     (AutoNormal, "w_auto_loc", "w_auto_scale", constraints.softplus_positive),
     (AutoMultivariateNormal, "auto_loc", "auto_scale_tril", constraints.scaled_unit_lower_cholesky),
 ])
+@pytest.mark.slow
 def test_the_state_averages_the_iterates(small_logistic, guide_cls, loc, scale, constraint):
     """With m, L (or s) the iterate's mean and Cholesky factor (or scale):
     average_t = average_{t-1} + gamma(c_t) ((m_t, L_t) - average_{t-1}), from average_0 = (m_0, L_0);

@@ -104,6 +104,7 @@ def _laplace_noise(y):
     numpyro.sample("y", dist.Laplace(x, 0.01), obs=y)
 
 
+@pytest.mark.slow
 def test_a_fit_that_backtracking_cannot_save_is_not_silent():
     """A Laplace likelihood is piecewise linear: its Hessian is 0 off the kinks, so the precision
     stays at the prior's 1e-4 while the gradient is +-100 per observation. Every full mean step

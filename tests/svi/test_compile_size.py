@@ -40,6 +40,7 @@ def _count(jaxpr, names):
 
 
 @pytest.mark.parametrize("guide_cls", [AutoNormal, AutoMultivariateNormal])
+@pytest.mark.slow
 def test_a_blr_step_draws_its_random_numbers_once_like_adam(guide_cls):
     """The exact Hessian, its sample-offset column and backtracking evaluate the loss several times
     at one key; each evaluation used to carry its own random-number code (the bulk of a small model's

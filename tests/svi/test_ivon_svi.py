@@ -75,6 +75,7 @@ def test_equivalent_to_pure_ivon_on_the_same_gradients():
     assert int(st[0]) == 5 and int(st[1].algorithm.count) == 5 and int(st[1].skipped) == 0
 
 
+@pytest.mark.slow
 def test_svi_run_recovers_the_conjugate_posterior():
     guide = AutoNormal(regression)
     svi = SVI(regression, guide, IVON(lr=0.2, ess=N, hess_init=1.0, beta2=0.99), Trace_ELBO(num_particles=4))
@@ -186,6 +187,7 @@ def _eqx_model(prior):
     return model
 
 
+@pytest.mark.slow
 def test_unread_module_placeholder_is_passed_through():
     # random_eqx_module registers "net$params" (the eqx module's weights) next to the latent sites
     # "net/weight", "net/bias"; with a prior on every weight the ELBO never reads it.

@@ -172,6 +172,7 @@ def test_laplace_preset_matches_numpyro_laplace(small_logistic):
         np.testing.assert_allclose(tril @ tril.T, post.covariance_matrix, rtol=1e-4, atol=1e-8)
 
 
+@pytest.mark.slow
 def test_fallback_optimizer_for_model_params(small_logistic):
     X, y = small_logistic
 

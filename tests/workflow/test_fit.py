@@ -75,6 +75,7 @@ def unsorted_sites(x, y=None):
 
 @pytest.mark.parametrize("guide_cls", [AutoNormal, pytest.param(AutoDiagonalNormal, marks=pytest.mark.slow),
                                        pytest.param(AutoMultivariateNormal, marks=pytest.mark.slow)])
+@pytest.mark.slow
 def test_fit_equals_svi_run(guide_cls):
     """In float64, to rounding (in float32 the programs' different fusion shows in the early losses' last digits
     and is amplified by the iteration: 1e-4 relative)."""
@@ -104,6 +105,7 @@ def test_numpyro_trace_elbo_sums_the_same_terms():
 
 
 @pytest.mark.parametrize("optim", [lambda: numpyro.optim.Adam(0.05), lambda: optax.adam(0.05)], ids=["numpyro", "optax"])
+@pytest.mark.slow
 def test_any_numpyro_optimizer(optim):
     x, y = data()
     key = jax.random.PRNGKey(0)
@@ -114,6 +116,7 @@ def test_any_numpyro_optimizer(optim):
         np.testing.assert_allclose(res.params[k], ref.params[k], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_refit_with_new_data_does_not_compile(compiles):
     x, y = data(seed=0)
     guide = AutoNormal(regression)
@@ -133,6 +136,7 @@ def test_refit_with_new_data_does_not_compile(compiles):
     assert compiles.count == 0
 
 
+@pytest.mark.slow
 def test_new_shapes_recompile_silently():
     guide = AutoNormal(regression)
     with warnings.catch_warnings():
@@ -157,6 +161,7 @@ def test_progress_bar_and_resume_give_the_same_fit():
 
 
 @pytest.mark.parametrize("guide_cls", [AutoNormal, AutoMultivariateNormal, AutoDelta])
+@pytest.mark.slow
 def test_guide_is_usable_after_a_fit(guide_cls):
     """The guide's setup was traced into the program; what it left in the guide is concrete again."""
     x, y = data()

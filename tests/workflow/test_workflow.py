@@ -155,6 +155,7 @@ def test_sbc_calibrated_and_a_negative_control():
     assert not bad.calibrated()["mu"]
 
 
+@pytest.mark.slow
 def test_sbc_plot(tmp_path):
     y = np.zeros(5, np.float32)
     res = wf.sbc(normal_mean, AutoNormal(normal_mean), y, num_datasets=12, num_draws=9, num_steps=50)
