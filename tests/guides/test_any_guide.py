@@ -77,6 +77,7 @@ def test_hand_written_multivariate_normal_guide_reaches_the_exact_posterior(cons
     np.testing.assert_allclose(tril @ tril.T, cov, rtol=1e-3, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_hand_written_guide_without_arguments_and_lognormal_site():
     """A guide that takes no arguments is traced as it is; a LogNormal site is a Gaussian on log(x)."""
     data = jnp.asarray(np.random.default_rng(0).normal(0.0, 2.0, size=40), jnp.float32)

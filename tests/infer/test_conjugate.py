@@ -135,6 +135,7 @@ def test_normal_normal_known_variance():
     assert rel(res.elbo, log_evidence) < RTOL
 
 
+@pytest.mark.slow
 def test_bayesian_linear_regression(diabetes_np):
     X, y = diabetes_np
     X, y = X[:150, :4], y[:150]

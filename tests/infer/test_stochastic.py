@@ -91,6 +91,7 @@ def test_missing_plate_scale_raises():
         svi(outside, jnp.asarray(y), 20)
 
 
+@pytest.mark.slow
 def test_step_size_arguments():
     y, _ = data(100)
     with pytest.raises(ValueError, match=r"kappa must be in \(0.5, 1\]"):

@@ -199,6 +199,7 @@ def test_em_point_latent_is_a_map_estimate():
 # ---------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_ncvmp_poisson_link_finds_the_projection_and_converges():
     """A Poisson log link: exact VMP refuses it; non-conjugate VMP finds the factor's linear predictor (link log),
     converges to a tolerance, and its mean is where the ELBO's gradient vanishes (checked against a
@@ -226,6 +227,7 @@ def test_ncvmp_poisson_link_finds_the_projection_and_converges():
     assert abs(y.sum() - e - m) < 1e-6 and abs(1 / s**2 - 1 - e) < 1e-6 * (1 + e)
 
 
+@pytest.mark.slow
 def test_ncvmp_mixes_exact_and_natural_gradient_steps():
     """A Student-t likelihood with a Gaussian location (projected) and a conjugate Gamma prior precision on the
     location: the Gamma site keeps exact steps, the location takes the BLR's Gaussian step."""
@@ -313,6 +315,7 @@ def test_nonfinite_data_names_the_observed_site_before_any_sweep():
         vmp(model, jnp.array([1.0, jnp.nan, 2.0]))
 
 
+@pytest.mark.slow
 def test_diverging_sweep_stops_keeps_the_last_finite_state_and_names_the_site():
     """A Poisson log link with a wide prior and large covariates: E_q[exp(.)] overflows on the first sweep. The run
     stops, warns naming the site, and returns the initial (last finite) state."""

@@ -74,6 +74,7 @@ def batches(X, y, k):
     return [(jnp.asarray(a), jnp.asarray(b)) for a, b in zip(np.array_split(X, k), np.array_split(y, k))]
 
 
+@pytest.mark.slow
 def test_conjugate_stream_equals_batch_posterior():
     X, y = linreg_data()
     mean, cov = linreg_posterior(X, y)

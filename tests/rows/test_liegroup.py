@@ -405,6 +405,7 @@ def test_to_datatree(scale_fit):
     assert dt["posterior"]["sigma"].shape == (1, 100)
 
 
+@pytest.mark.slow
 def test_optimizer_finds_its_guide_and_takes_a_fallback():
     """LieGroupBLR finds the live LieGroupGuide by its parameter names; a model parameter goes to the fallback."""
     x, y = _regression(20)

@@ -231,6 +231,7 @@ def _nan_model(X, y=None, broken=False):
     numpyro.sample("y", dist.Bernoulli(logits=X @ w), obs=y)
 
 
+@pytest.mark.slow
 def test_nonfinite_step_is_skipped_and_reported(small_logistic):
     """A NaN log density makes every loss and gradient non-finite: no step may write NaN params."""
     X, y = small_logistic

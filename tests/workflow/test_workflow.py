@@ -56,6 +56,7 @@ def observations():
     return np.random.default_rng(1).normal(1.0, 1.0, 24).astype(np.float32)
 
 
+@pytest.mark.slow
 def test_kfold_equals_the_closed_form(observations):
     y = observations
     k, folds = 4, np.arange(24) % 4
