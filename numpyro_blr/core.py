@@ -79,6 +79,26 @@ def select(ok, new, old):
     return jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)
 
 
+def skip_decision(check, estimate, new):
+    r"""``(ok, step_entry)`` for a rule that skips non-finite steps: ``ok`` (scalar) whether the step counts, and
+    ``step_entry`` where the new state is taken (``jnp.where(step_entry, new, old)``, vector by vector).
+
+    ``new`` is one vector of the new state that is non-finite wherever any of the new state's vectors is (the rules
+    add ``x - x``, 0 or NaN, of the others to it). On an accelerator (:func:`numpyro_blr.tree.fused_passes`) the
+    decision is read from the estimate, before the update: ``check`` (:attr:`~numpyro_blr.estimators.Estimate.check`)
+    or, when None, :func:`~numpyro_blr.tree.finite_check` of ``estimate`` (the arrays the update reads); the select
+    is then fused into the update's one pass, and an entry whose new value overflows from a finite estimate keeps its
+    old value. On CPU it is read from ``new`` after the update (one reduction over one vector; the whole step is
+    skipped on an overflow too). Either way a non-finite estimate skips the whole step and is counted."""
+    from numpyro_blr.tree import finite_check, fused_passes
+
+    if fused_passes():
+        ok = jnp.isfinite(finite_check(estimate) if check is None else check)
+        return ok, ok & jnp.isfinite(new)
+    ok = jnp.isfinite(jnp.sum(new - new))
+    return ok, ok
+
+
 def value_at(schedule, count):
     """A constant or a schedule ``count -> value`` read at ``count``."""
     return schedule(count) if callable(schedule) else schedule

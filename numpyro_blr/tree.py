@@ -56,6 +56,12 @@ class FlatLayout(NamedTuple):
         state is kept in a wider dtype than the parameters (mixed precision, :func:`state_dtype`)."""
         return jax.tree.map(lambda x: x.astype(self.dtype), self.unravel(flat))
 
+    def to_params_leaves(self, leaves):
+        """The pytree from its leaves (in the layout's order), each cast to the parameters' dtype and written once
+        (an optimisation barrier: XLA does not fuse their construction into every consumer)."""
+        leaves = [jnp.asarray(x).astype(self.dtype) for x in leaves]
+        return lax.optimization_barrier(self.treedef.unflatten(leaves))
+
     def unravel(self, flat):
         """The pytree from a flat vector (trailing axis of ``flat``; leading axes are kept)."""
         lead = flat.shape[:-1]
@@ -178,17 +184,35 @@ def hash_normal(key, n, dtype=jnp.float32):
     """
     n = int(n)
     k = jax.random.bits(key, (4,), jnp.uint32)
-    half = (n + 1) // 2
-    j = lax.iota(jnp.uint32, half)
-    a = _mix32(_mix32(j ^ k[0]) + k[1])
-    b = _mix32(_mix32(j ^ k[2]) + k[3])
-    u = ((a >> 8) + 1).astype(jnp.float32) * np.float32(2.0**-24)
-    r = jnp.sqrt(np.float32(-2.0) * jnp.log(u))
+    r, b = _box_muller_pairs(k, lax.iota(jnp.uint32, (n + 1) // 2))
     # materialise the radius and angle once: otherwise XLA's concatenate fusion recomputes the log
     # for each of the two outputs of a pair
     r, b = lax.optimization_barrier((r, b))
     z = jnp.concatenate([r * _cos_of_bits(b), r * _cos_of_bits(b - jnp.uint32(1 << 30))])
     return z[:n].astype(dtype)
+
+
+def _box_muller_pairs(k, j):
+    """Radius and angle bits of :func:`hash_normal`'s pairs ``j`` (uint32) for the key words ``k``."""
+    a = _mix32(_mix32(j ^ k[0]) + k[1])
+    b = _mix32(_mix32(j ^ k[2]) + k[3])
+    u = ((a >> 8) + 1).astype(jnp.float32) * np.float32(2.0**-24)
+    return jnp.sqrt(np.float32(-2.0) * jnp.log(u)), b
+
+
+def hash_normal_at(key_words, start, size, n):
+    r"""Elements ``start .. start + size`` of ``hash_normal(key, n)`` (float32), each computed on its own from
+    ``key_words = jax.random.bits(key, (4,), jnp.uint32)``: element :math:`i` is the cosine half of pair :math:`i`
+    (:math:`i < \lceil n/2
+ceil`) or the sine half of pair :math:`i - \lceil n/2
+ceil`. The same values as
+    :func:`hash_normal`'s (bit for bit where the backend evaluates the same operations alike), with nothing stored:
+    XLA fuses the draw into whatever reads it, at the price of one logarithm per element instead of per pair."""
+    half = (int(n) + 1) // 2
+    i = lax.iota(jnp.uint32, int(size)) + jnp.uint32(start)
+    second = i >= jnp.uint32(half)
+    r, b = _box_muller_pairs(key_words, jnp.where(second, i - jnp.uint32(half), i))
+    return r * _cos_of_bits(jnp.where(second, b - jnp.uint32(1 << 30), b))
 
 
 def standard_normal(key, n, dtype=jnp.float32, rng="hash"):
@@ -198,6 +222,87 @@ def standard_normal(key, n, dtype=jnp.float32, rng="hash"):
     if rng == "hash":
         return hash_normal(key, n, dtype)
     return jax.random.normal(key, (int(n),), dtype)
+
+
+def fused_passes():
+    """Whether the steps over a network's flat state are laid out for an accelerator (GPU, TPU) or for the CPU.
+
+    On an accelerator a step is bound by memory traffic, its arithmetic is nearly free and XLA fuses an
+    elementwise update with several outputs into one pass: counter-hash noise is then recomputed where it is read
+    (:class:`NoiseSlices`) instead of stored, and whether a step is skipped is decided from the estimate before the
+    update, so that the select is part of the update's one pass (:func:`numpyro_blr.core.skip_decision`). On CPU
+    the arithmetic (a logarithm per pair of normals) is what costs and XLA writes each output of an update in its
+    own loop: the noise is drawn once and stored, and the skip is decided after the update from one vector.
+    Measured in ``docs/deep-learning.md``. Read when a step is traced (the backend that compiles it is the default
+    one)."""
+    return jax.default_backend() != "cpu"
+
+
+class NoiseSlices:
+    r"""One draw of ``n`` flat noise values, read by slices: ``noise(start, size)`` is elements
+    ``start .. start + size`` of ``standard_normal(key, n, dtype, rng)`` (``kind='normal'``) or
+    ``uniform(key, n, dtype, rng)`` (``kind='uniform'``), and ``noise.all()`` the whole vector.
+
+    This is how a step builds the weights a loss is evaluated at leaf by leaf, straight from the flat state and the
+    noise, and later reads the same noise again in its update. With ``rng='hash'`` on an accelerator
+    (:func:`regenerate_noise`) every slice is recomputed from the counter hash where it is read (nothing of the
+    parameters' size is stored, so the draw costs no memory traffic); otherwise the draw is made once, kept (an
+    optimisation barrier: XLA does not recompute it in each consumer) and sliced. The values are the same either
+    way. ``regenerate`` overrides the choice (None: :func:`fused_passes`).
+    """
+
+    def __init__(self, key, n, dtype=jnp.float32, rng="hash", kind="normal", regenerate=None):
+        self.n, self.dtype, self.rng, self.kind = int(n), dtype, rng, kind
+        regenerate = fused_passes() if regenerate is None else regenerate
+        self.words = None
+        if rng == "hash" and regenerate:
+            self.words = jax.random.bits(key, (4,) if kind == "normal" else (2,), jnp.uint32)
+            self.stored = None
+        else:
+            draw = standard_normal if kind == "normal" else uniform
+            self.stored = lax.optimization_barrier(draw(key, self.n, dtype, rng))
+
+    def __call__(self, start, size):
+        if self.stored is not None:
+            return self.stored if (start, size) == (0, self.n) else self.stored[start:start + size]
+        if self.kind == "normal":
+            return hash_normal_at(self.words, start, size, self.n).astype(self.dtype)
+        return hash_uniform_at(self.words, start, size).astype(self.dtype)
+
+    def all(self):
+        return self(0, self.n)
+
+
+def leaves_from(layout, flat_slice):
+    """The parameters' pytree whose leaf ``i`` is ``flat_slice(start_i, size_i)`` (the flat elements of that leaf,
+    a vector) reshaped and cast to the parameters' dtype, each leaf written once (an optimisation barrier): the
+    weights a loss is evaluated at, built from the flat state without writing a flat copy first. Without the barrier
+    XLA fuses the construction into every consumer of a small leaf (a bias is read by the forward and the backward
+    pass) and recomputes it there."""
+    return layout.to_params_leaves(
+        [jnp.reshape(flat_slice(start, size), shape) for (start, size), shape in zip(leaf_slices(layout), layout.shapes)]
+    )
+
+
+def leaf_slices(layout):
+    """``(start, size)`` of every leaf in the flat layout."""
+    out, start = [], 0
+    for shape in layout.shapes:
+        size = int(np.prod(shape))
+        out.append((start, size))
+        start += size
+    return out
+
+
+def finite_check(tree):
+    """A scalar that is 0 when every entry of ``tree`` is finite and NaN otherwise (``sum(x - x)``: one read of each
+    leaf, no write); a step is skipped where it is not finite. It can be ``lax.pmean``-ed across devices."""
+    leaves = [x for x in jax.tree.leaves(tree) if x is not None]
+    total = None
+    for x in leaves:
+        term = jnp.sum(x - x)
+        total = term if total is None else total + term.astype(total.dtype)
+    return jnp.zeros(()) if total is None else total
 
 
 def uniform_like(key, tree):
@@ -217,7 +322,13 @@ def hash_uniform(key, n, dtype=jnp.float32):
     ``jax.random.uniform`` on CPU."""
     n = int(n)
     k = jax.random.bits(key, (2,), jnp.uint32)
-    a = _mix32(_mix32(lax.iota(jnp.uint32, n) ^ k[0]) + k[1])
+    return hash_uniform_at(k, 0, n)
+
+
+def hash_uniform_at(key_words, start, size):
+    """Elements ``start .. start + size`` of :func:`hash_uniform` from ``key_words = jax.random.bits(key, (2,),
+    jnp.uint32)`` (each element depends on its index alone)."""
+    a = _mix32(_mix32((lax.iota(jnp.uint32, int(size)) + jnp.uint32(start)) ^ key_words[0]) + key_words[1])
     return ((a >> 9).astype(jnp.float32) + np.float32(0.5)) * np.float32(2.0**-23)
 
 

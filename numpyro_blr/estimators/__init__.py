@@ -54,12 +54,17 @@ class Estimate(NamedTuple):
                   (a flat vector, an array or a pytree); other families:
                   :math:`\nabla_\mu \mathbb E_q[\ell]`, shaped like the family's expectation parameters;
     ``hessian``   Gaussian families: :math:`\hat H \approx \mathbb E_q[\nabla^2\ell]` (shaped like the mean
-                  for a diagonal family, a dense matrix for a full one); None when not estimated.
+                  for a diagonal family, a dense matrix for a full one); None when not estimated;
+    ``check``     None, or a scalar that is finite iff the estimate is (0 or NaN:
+                  :func:`~numpyro_blr.tree.finite_check` of the gradient it was formed from), for a rule that skips
+                  non-finite steps, when the estimator can tell more cheaply than a pass over ``grad`` and
+                  ``hessian`` (IVON's curvature is formed from the gradient and noise the update recomputes).
     """
 
     loss: jax.Array
     grad: Any
     hessian: Optional[Any] = None
+    check: Optional[jax.Array] = None
 
 
 from numpyro_blr.estimators.svi import (  # noqa: E402

@@ -17,7 +17,8 @@ the average mini-batch loss :math:`\bar\ell`; :math:`G = \nabla\bar\ell(\theta) 
 
 (:math:`N` = ``ess``, :math:`T` = ``temperature``). The noise is one flat draw of every weight from
 :math:`q_0` per sample and step (:func:`draw_base`), from the step's JAX key: fresh at every step, for every
-:math:`q_0` and every leaf (leaves of the same shape get different noise). Each estimator also has
+:math:`q_0` and every leaf (leaves of the same shape get different noise); the weights the loss reads are built leaf by
+leaf from slices of the flat state and of the noise (:class:`BaseSlices`). Each estimator also has
 ``draw(key, state) -> (theta, noise)`` (flat) and ``from_grads(state, grad, noise)`` (the estimate from one
 flat gradient at that draw: the optax view, :func:`numpyro_blr.as_optax`).
 """
@@ -27,44 +28,77 @@ import jax.numpy as jnp
 import numpyro.distributions as dist
 
 from numpyro_blr.estimators import Estimate
-from numpyro_blr.estimators.weights import _monte_carlo, unravel_materialised
+from numpyro_blr.estimators.weights import _monte_carlo
 from numpyro_blr.rules.liegroup import AffineGrad, MultiplicativeGrad, Rayleigh
-from numpyro_blr.tree import standard_normal, uniform
+from numpyro_blr.tree import NoiseSlices, finite_check, leaves_from
 
 # q0 whose inverse CDF numpyro computes in closed form: drawn from one batch of uniforms
 _ICDF = (dist.Laplace, dist.Logistic, dist.Cauchy, dist.Uniform, dist.Gumbel)
 
 
-def draw_base(base, key, n, dtype=jnp.float32, rng="hash"):
-    r"""``n`` independent draws from :math:`q_0` (flat), from ``key``.
+def _from_uniform(base):
+    """``u -> x`` for the :math:`q_0` drawn through one uniform per value (None for the others)."""
+    # -log(u) for u uniform on (0, 1) is Exponential(1): one log (cheaper than the icdf's log1p(-u) on CPU)
+    if isinstance(base, Rayleigh):
+        return lambda u: base.scale * jnp.sqrt(-2.0 * jnp.log(u))
+    if isinstance(base, dist.Weibull):
+        return lambda u: base.scale * (-jnp.log(u)) ** (1.0 / base.concentration)
+    if isinstance(base, dist.Exponential):
+        return lambda u: -jnp.log(u) / base.rate
+    if isinstance(base, _ICDF):
+        return base.icdf
+    return None
+
+
+class BaseSlices:
+    r"""One flat draw of ``n`` values from :math:`q_0`, read by slices: ``xi(start, size)`` and ``xi.all()``
+    (:class:`~numpyro_blr.tree.NoiseSlices` for the base distributions; :func:`draw_base` is ``xi.all()``).
 
     ``base=None`` (a Dirac :math:`q_0`) gives zeros. A Normal is ``loc + scale * z`` with
     :func:`~numpyro_blr.tree.standard_normal`; Laplace, logistic, Cauchy, uniform, Gumbel, exponential,
     :class:`~numpyro_blr.rules.liegroup.Rayleigh` and Weibull go through their inverse CDF of one batch of
     uniforms (:func:`~numpyro_blr.tree.uniform`); with ``rng='hash'`` (default) both use the counter hash of
-    :func:`~numpyro_blr.tree.hash_normal`, several times cheaper than threefry on CPU. Any other :math:`q_0`
-    uses its own ``sample`` (threefry; Student-t and Gamma through JAX's gamma sampler)."""
-    n = int(n)
-    if base is None:
-        return jnp.zeros((n,), dtype)
-    if isinstance(base, dist.Normal):
-        return (base.loc + base.scale * standard_normal(key, n, dtype, rng)).astype(dtype)
-    # -log(u) for u uniform on (0, 1) is Exponential(1): one log (cheaper than the icdf's log1p(-u) on CPU)
-    if isinstance(base, Rayleigh):
-        return (base.scale * jnp.sqrt(-2.0 * jnp.log(uniform(key, n, dtype, rng)))).astype(dtype)
-    if isinstance(base, dist.Weibull):
-        return (base.scale * (-jnp.log(uniform(key, n, dtype, rng))) ** (1.0 / base.concentration)).astype(dtype)
-    if isinstance(base, dist.Exponential):
-        return (-jnp.log(uniform(key, n, dtype, rng)) / base.rate).astype(dtype)
-    if isinstance(base, _ICDF):
-        return base.icdf(uniform(key, n, dtype, rng)).astype(dtype)
-    return base.sample(key, (n,)).astype(dtype)
+    :func:`~numpyro_blr.tree.hash_normal` (several times cheaper than threefry on CPU, and recomputed where it is read
+    on accelerators). Any other :math:`q_0` uses its own ``sample`` (threefry; Student-t and Gamma through JAX's
+    gamma sampler), drawn once and stored."""
+
+    def __init__(self, base, key, n, dtype=jnp.float32, rng="hash", regenerate=None):
+        self.n, self.dtype = int(n), dtype
+        self.base, self.transform, self.source = base, None, None
+        if base is None:
+            return
+        if isinstance(base, dist.Normal):
+            self.source = NoiseSlices(key, self.n, dtype, rng, "normal", regenerate)
+            self.transform = lambda z: base.loc + base.scale * z
+        elif _from_uniform(base) is not None:
+            self.source = NoiseSlices(key, self.n, dtype, rng, "uniform", regenerate)
+            self.transform = _from_uniform(base)
+        else:
+            self.stored = jax.lax.optimization_barrier(base.sample(key, (self.n,)).astype(dtype))
+
+    def __call__(self, start, size):
+        if self.base is None:
+            return jnp.zeros((size,), self.dtype)
+        if self.source is None:
+            return self.stored[start:start + size]
+        return self.transform(self.source(start, size)).astype(self.dtype)
+
+    def all(self):
+        return self(0, self.n)
 
 
-def _grad_at(loss_fn, layout, theta, args, weight_decay):
-    loss, g = jax.value_and_grad(loss_fn)(unravel_materialised(layout, theta), *args)
+def draw_base(base, key, n, dtype=jnp.float32, rng="hash"):
+    r"""``n`` independent draws from :math:`q_0` (flat), from ``key``: :class:`BaseSlices` as one vector."""
+    return BaseSlices(base, key, n, dtype, rng).all()
+
+
+def _grad_at(loss_fn, layout, weights, theta, args, weight_decay):
+    """``(loss, G, check)`` at the weights (a pytree; ``theta()`` the same flat, as an expression): the flat
+    :math:`G = \\nabla\\bar\\ell + \\delta\\theta` and the finiteness check of the gradient (Estimate.check)."""
+    loss, g = jax.value_and_grad(loss_fn)(weights, *args)
+    check = finite_check(g)
     g = layout.ravel(g)
-    return loss, (g + weight_decay * theta if weight_decay else g)
+    return loss, (g + weight_decay * theta() if weight_decay else g), check
 
 
 def additive(base, weight_decay=0.0, mc_samples=1, noise_rng="hash", vmap_samples=True):
@@ -76,12 +110,15 @@ def additive(base, weight_decay=0.0, mc_samples=1, noise_rng="hash", vmap_sample
         return state.loc + noise, noise
 
     def estimate(key, state, loss_fn, *args):
-        def one(k):
-            theta, _ = draw(k, state)
-            return _grad_at(loss_fn, state.layout, theta, args, weight_decay)
+        loc = state.loc
 
-        loss, g = _monte_carlo(one, jax.random.split(key, mc_samples), vmap_samples)
-        return Estimate(loss, g)
+        def one(k):
+            xi = BaseSlices(base, k, loc.shape[0], loc.dtype, noise_rng)
+            weights = leaves_from(state.layout, lambda s, n: loc[s:s + n] + xi(s, n))
+            return _grad_at(loss_fn, state.layout, weights, lambda: loc + xi.all(), args, weight_decay)
+
+        loss, g, check = _monte_carlo(one, jax.random.split(key, mc_samples), vmap_samples)
+        return Estimate(loss, g, None, check)
 
     def from_grads(state, g, noise):
         return Estimate(jnp.nan, g + weight_decay * (state.loc + noise) if weight_decay else g)
@@ -106,13 +143,17 @@ def affine(base, ess, temperature=1.0, weight_decay=0.0, mc_samples=1, noise_rng
         return AffineGrad(c * v, c * u - 1.0)
 
     def estimate(key, state, loss_fn, *args):
-        def one(k):
-            theta, eps = draw(k, state)
-            loss, g = _grad_at(loss_fn, state.layout, theta, args, weight_decay)
-            return (loss,) + stats(state, g, eps)
+        loc, scale = state.loc, state.scale
 
-        loss, v, u = _monte_carlo(one, jax.random.split(key, mc_samples), vmap_samples)
-        return Estimate(loss, algebra(v, u))
+        def one(k):
+            eps = BaseSlices(base, k, loc.shape[0], loc.dtype, noise_rng)
+            weights = leaves_from(state.layout, lambda s, n: loc[s:s + n] + scale[s:s + n] * eps(s, n))
+            loss, g, check = _grad_at(loss_fn, state.layout, weights, lambda: loc + scale * eps.all(), args,
+                                      weight_decay)
+            return (loss,) + stats(state, g, eps.all()) + (check,)
+
+        loss, v, u, check = _monte_carlo(one, jax.random.split(key, mc_samples), vmap_samples)
+        return Estimate(loss, algebra(v, u), None, check)
 
     def from_grads(state, g, eps):
         if weight_decay:
@@ -135,6 +176,12 @@ def multiplicative(base, ess, temperature=1.0, weight_decay=0.0, mc_samples=1, s
         n = state.layout.size
         return d[:n] - d[n:] if signed else d
 
+    def theta_slice(state, xi, start, size):
+        """Elements ``start .. start + size`` of :func:`theta` from slices of the scale and the noise."""
+        scale, n = state.scale, state.layout.size
+        d = scale[start:start + size] * xi(start, size)
+        return d - scale[n + start:n + start + size] * xi(n + start, size) if signed else d
+
     def draw(key, state):
         xi = draw_base(base, key, state.scale.shape[0], state.scale.dtype, noise_rng)
         return theta(state, xi), xi
@@ -145,13 +192,17 @@ def multiplicative(base, ess, temperature=1.0, weight_decay=0.0, mc_samples=1, s
         return state.scale * xi * gg - tau
 
     def estimate(key, state, loss_fn, *args):
-        def one(k):
-            theta, xi = draw(k, state)
-            loss, g = _grad_at(loss_fn, state.layout, theta, args, weight_decay)
-            return loss, algebra(state, g, xi)
+        scale = state.scale
 
-        loss, x = _monte_carlo(one, jax.random.split(key, mc_samples), vmap_samples)
-        return Estimate(loss, MultiplicativeGrad(x))
+        def one(k):
+            xi = BaseSlices(base, k, scale.shape[0], scale.dtype, noise_rng)
+            weights = leaves_from(state.layout, lambda s, n: theta_slice(state, xi, s, n))
+            loss, g, check = _grad_at(loss_fn, state.layout, weights, lambda: theta(state, xi.all()), args,
+                                      weight_decay)
+            return loss, algebra(state, g, xi.all()), check
+
+        loss, x, check = _monte_carlo(one, jax.random.split(key, mc_samples), vmap_samples)
+        return Estimate(loss, MultiplicativeGrad(x), None, check)
 
     def from_grads(state, g, xi):
         if weight_decay:

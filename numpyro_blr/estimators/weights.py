@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from numpyro_blr.estimators import Estimate
-from numpyro_blr.tree import stack_samples, standard_normal
+from numpyro_blr.tree import NoiseSlices, finite_check, leaves_from, stack_samples, standard_normal
 
 HESS_APPROX = ("price", "gradsq")
 
@@ -46,6 +46,22 @@ def draw(key, state, ess, noise_rng="hash"):
     m = state.mean
     noise = standard_normal(key, m.shape[0], m.dtype, noise_rng) * noise_scale(state, ess)
     return m + noise, noise
+
+
+def sampled_weights(key, state, ess, noise_rng="hash"):
+    r"""``(weights, noise)``: one draw :math:`\theta = m + \sigma\epsilon` of the weights as the parameters' pytree
+    (each leaf built from its slice of the flat mean, precision and noise and written once:
+    :func:`~numpyro_blr.tree.leaves_from`) and ``noise()``, the flat offset :math:`\sigma\epsilon` as an expression
+    for the update to read (the same values as :func:`draw`'s; on accelerators the normals are recomputed there from
+    the counter hash rather than stored, :class:`~numpyro_blr.tree.NoiseSlices`)."""
+    m, p = state.mean, state.precision
+    eps = NoiseSlices(key, m.shape[0], m.dtype, noise_rng)
+
+    def offset(start, size):
+        return eps(start, size) * lax.rsqrt(ess * p[start:start + size]).astype(m.dtype)
+
+    weights = leaves_from(state.layout, lambda start, size: m[start:start + size] + offset(start, size))
+    return weights, lambda: offset(0, m.shape[0])
 
 
 def unravel_materialised(layout, flat):
@@ -85,13 +101,14 @@ def price(ess, mc_samples=1, hess_approx="price", vmap_samples=True, noise_rng="
         layout = state.layout
 
         def one(k):
-            theta, noise = draw(k, state, ess, noise_rng)
-            loss, g = jax.value_and_grad(loss_fn)(unravel_materialised(layout, theta), *args)
+            weights, noise = sampled_weights(k, state, ess, noise_rng)
+            loss, g = jax.value_and_grad(loss_fn)(weights, *args)
+            check = finite_check(g)  # the step is skipped when the gradient is not finite (one read of it)
             g = layout.ravel(g)
-            return loss, g, (g * g if gradsq else noise * g)
+            return loss, g, (g * g if gradsq else noise() * g), check
 
-        loss, g, stat = _monte_carlo(one, jax.random.split(key, mc_samples), vmap_samples)
-        return Estimate(loss, g, ess * (stat if gradsq else state.precision * stat))
+        loss, g, stat, check = _monte_carlo(one, jax.random.split(key, mc_samples), vmap_samples)
+        return Estimate(loss, g, ess * (stat if gradsq else state.precision * stat), check)
 
     def from_grads(state, g, noise):
         return Estimate(jnp.nan, g, ess * (g * g if gradsq else state.precision * noise * g))

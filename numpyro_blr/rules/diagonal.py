@@ -32,7 +32,9 @@ Adam / RMSprop              :math:`g^2` at the mean    plain        :math:`\sqrt
 SGD                         none (:math:`p = 1`)       --           heavy ball
 ==========================  =========================  ===========  ============================
 
-A step whose estimate or result is not finite is skipped: the state is kept and ``skipped`` counts it.
+A step whose estimate is not finite is skipped: the state is kept and ``skipped`` counts it (on CPU also a step
+whose result overflows; on an accelerator an entry that would overflow keeps its old values:
+:func:`~numpyro_blr.core.skip_decision`).
 
 **A Gaussian prior carried by the state (continual learning).** With a :class:`DiagonalPrior`
 :math:`\mathcal N(m_0, \operatorname{diag}(1/(N\delta_0)))` in ``state.prior`` (per-example precision
@@ -49,9 +51,9 @@ from typing import Any, NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 
-from numpyro_blr.core import StepInfo, value_at
+from numpyro_blr.core import StepInfo, skip_decision, value_at
 from numpyro_blr.rules.blr import diagonal_precision_update
-from numpyro_blr.tree import FlatLayout
+from numpyro_blr.tree import FlatLayout, finite_check
 
 
 class DiagonalPrior(NamedTuple):
@@ -82,7 +84,7 @@ class DiagonalState(NamedTuple):
                    moment :math:`\nu = -2\lambda_2`);
     ``momentum``   :math:`\bar g`, flat;
     ``count``      steps taken (skipped steps are not counted), int32;
-    ``skipped``    how many steps were skipped for a non-finite estimate or result, int32;
+    ``skipped``    how many steps were skipped for a non-finite estimate, int32;
     ``layout``     the :class:`~numpyro_blr.tree.FlatLayout` of the weights (static);
     ``prior``      None (the row's weight decay is the prior) or a :class:`DiagonalPrior` that replaces it
                    (flat arrays, per example of the row's ``ess``): the rows' ``prior=`` option.
@@ -234,9 +236,15 @@ def with_prior(state, prior, ess, weight_decay=0.0):
     return state._replace(precision=resolved.precision, prior=resolved)
 
 
-def diagonal_update(rule: DiagonalRule, state: DiagonalState, grad, hessian=None, loss=jnp.nan):
+def diagonal_update(rule: DiagonalRule, state: DiagonalState, grad, hessian=None, loss=jnp.nan, check=None):
     """One step of the rule from flat :math:`\\hat g` and :math:`\\hat h` (``hessian``, None when
-    ``rule.beta2`` is None); returns ``(state, StepInfo(loss, skipped))``."""
+    ``rule.beta2`` is None); returns ``(state, StepInfo(loss, skipped))``.
+
+    A non-finite estimate skips the step: the state is kept and ``skipped`` counts it
+    (:func:`~numpyro_blr.core.skip_decision`; ``check`` is :attr:`~numpyro_blr.estimators.Estimate.check`). On CPU an
+    overflowing result skips it too; on an accelerator the decision is made before the update, so that the update is
+    one fused pass that writes each state vector once, and an entry that would overflow from a finite estimate keeps
+    its old mean, precision and momentum (the other entries step)."""
     m, p, mom = state.mean, state.precision, state.momentum
     dt = m.dtype
     t = state.count + 1
@@ -275,15 +283,14 @@ def diagonal_update(rule: DiagonalRule, state: DiagonalState, grad, hessian=None
     if rule.clip_radius != float("inf"):
         step = jnp.clip(step, -rule.clip_radius, rule.clip_radius)
     # x - x is 0 for finite x and NaN for +-inf/NaN: added to the new mean (in the fusion that computes it from
-    # p_new and mom_new anyway), it makes the mean non-finite iff any of the three is, and leaves it unchanged
-    # otherwise; the skip then needs one reduction over one vector (a non-finite grad or hessian makes mom_new or
-    # p_new non-finite; m, p, mom are finite)
+    # p_new and mom_new anyway), it makes the mean non-finite iff any of the three is, so that one elementwise test
+    # guards all three vectors
     m_new = (m - alpha * rule.lr_scale * step + ((p_new - p_new) + (mom_new - mom_new))).astype(dt)
-    ok = jnp.isfinite(jnp.sum(m_new - m_new))
+    ok, step_entry = skip_decision(check, (grad, hessian), m_new)
     new = DiagonalState(
-        jnp.where(ok, m_new, m),
-        jnp.where(ok, p_new, p),
-        jnp.where(ok, mom_new, mom),
+        jnp.where(step_entry, m_new, m),
+        jnp.where(step_entry, p_new, p),
+        jnp.where(step_entry, mom_new, mom),
         jnp.where(ok, t, state.count),
         state.skipped + jnp.where(ok, 0, 1).astype(jnp.int32),
         state.layout,
@@ -319,7 +326,7 @@ def diagonal_algorithm(estimator, rule: DiagonalRule, precision_init, ess=None, 
         return state if prior is None else with_prior(state, prior, ess, rule.weight_decay)
 
     def update(state, estimate):
-        return diagonal_update(rule, state, estimate.grad, estimate.hessian, estimate.loss)
+        return diagonal_update(rule, state, estimate.grad, estimate.hessian, estimate.loss, estimate.check)
 
     def step(key, state, loss_fn, *batch):
         if axis_name is not None and key is not None:
@@ -380,29 +387,44 @@ class TransformState(NamedTuple):
         return DiagonalPrior(mean, self.precision, ess)
 
 
-def _noise(parts, state):
-    from numpyro_blr.tree import standard_normal
-
-    if parts.ess is None or not parts.estimator.sampled:
-        return None
+def _noise_key(parts, state):
     key = state.key
     if parts.axis_name is not None:  # inside shard_map/pmap: each device its own draw (as step does)
         key = jax.random.fold_in(key, jax.lax.axis_index(parts.axis_name))
-    eps = standard_normal(key, state.precision.shape[0], state.precision.dtype, parts.noise_rng)
-    return eps * jax.lax.rsqrt(parts.ess * state.precision).astype(state.precision.dtype)
+    return key
+
+
+def _noise(parts, state):
+    """The flat offset :math:`\\sigma\\epsilon` of the current draw (None for the delta-method rows): an expression the
+    update reads (on accelerators the normals are recomputed there, :class:`~numpyro_blr.tree.NoiseSlices`)."""
+    from numpyro_blr.tree import NoiseSlices
+
+    if parts.ess is None or not parts.estimator.sampled:
+        return None
+    p = state.precision
+    eps = NoiseSlices(_noise_key(parts, state), p.shape[0], p.dtype, parts.noise_rng).all()
+    return eps * jax.lax.rsqrt(parts.ess * p).astype(p.dtype)
 
 
 def perturbed(algorithm, params, opt_state):
     r"""The weights at which to evaluate the gradient for :func:`as_optax`'s next ``update``:
     ``params`` plus this step's draw :math:`\sigma\epsilon` (``params`` itself for the delta-method rows).
-    A row whose parts give their own view (the Lie-group rows, :mod:`numpyro_blr.rules.liegroup`) draws its own."""
+    A row whose parts give their own view (the Lie-group rows, :mod:`numpyro_blr.rules.liegroup`) draws its own.
+    Each leaf is formed from its slice of the noise and of the precision and written once."""
+    from numpyro_blr.tree import NoiseSlices, leaf_slices
+
     if hasattr(algorithm.parts, "perturbed"):
         return algorithm.parts.perturbed(params, opt_state)
-    noise = _noise(algorithm.parts, opt_state)
-    if noise is None:
+    parts = algorithm.parts
+    if parts.ess is None or not parts.estimator.sampled:
         return params
-    layout = opt_state.layout
-    return layout.to_params(layout.ravel(params).astype(noise.dtype) + noise)
+    layout, p = opt_state.layout, opt_state.precision
+    eps = NoiseSlices(_noise_key(parts, opt_state), p.shape[0], p.dtype, parts.noise_rng)
+    out = []
+    for leaf, (start, size) in zip(layout.treedef.flatten_up_to(params), leaf_slices(layout)):
+        offset = eps(start, size) * jax.lax.rsqrt(parts.ess * p[start:start + size]).astype(p.dtype)
+        out.append((jnp.reshape(jnp.asarray(leaf), (-1,)).astype(p.dtype) + offset).reshape(jnp.shape(leaf)))
+    return layout.to_params_leaves(out)
 
 
 def as_optax(algorithm, seed=0):
@@ -461,9 +483,11 @@ def as_optax(algorithm, seed=0):
         state = DiagonalState(mean, opt_state.precision, opt_state.momentum, opt_state.count, opt_state.skipped, layout,
                               opt_state.prior)
         estimate = parts.estimator.from_grads(state, layout.ravel(grads), _noise(parts, opt_state), **extra)
+        if estimate.check is None:  # the estimate is formed from these and finite noise: one read of each decides
+            estimate = estimate._replace(check=finite_check((grads, extra)))
         if parts.axis_name is not None:  # one reduction: the devices' gradient and curvature statistics averaged
             estimate = jax.lax.pmean(estimate, parts.axis_name)
-        new, _ = diagonal_update(parts.rule, state, estimate.grad, estimate.hessian, estimate.loss)
+        new, _ = diagonal_update(parts.rule, state, estimate.grad, estimate.hessian, estimate.loss, estimate.check)
         key, _ = jax.random.split(opt_state.key)
         new_opt_state = TransformState(new.precision, new.momentum, new.count, new.skipped, key, layout, new.prior)
         return layout.to_params(new.mean - mean), new_opt_state

@@ -76,9 +76,9 @@ import numpy as np
 import numpyro.distributions as dist
 from numpyro.distributions import constraints
 
-from numpyro_blr.core import StepInfo, check_params, select, value_at
+from numpyro_blr.core import StepInfo, check_params, select, skip_decision, value_at
 from numpyro_blr.families.registry import is_positive_support
-from numpyro_blr.tree import FlatLayout
+from numpyro_blr.tree import FlatLayout, finite_check
 
 GROUPS = ("additive", "multiplicative", "affine")
 
@@ -543,50 +543,43 @@ def init_multiplicative(params, base_mean_value, signed, init_offset=1e-5, state
 # ----------------------------------------------------------------------------- updates (skip a non-finite step)
 
 
-def _finite(*arrays):
-    # one fused reduction over arrays of one shape: x - x is 0 for finite x and NaN for +-inf and NaN. (Not x * 0:
-    # on CPU the reduction goes to XNNPACK, which took the broadcast 0 as a materialised array, one more write and
-    # read of the parameters' size.)
-    total = arrays[0] - arrays[0]
-    for a in arrays[1:]:
-        total = total + (a - a)
-    return jnp.isfinite(jnp.sum(total))
-
-
 def _counted(ok, state):
     return jnp.where(ok, state.count + 1, state.count), state.skipped + jnp.where(ok, 0, 1).astype(jnp.int32)
 
 
-def additive_update(rule: AdditiveRule, state: AdditiveState, grad, loss=jnp.nan):
-    """One additive step from the flat gradient :math:`\\hat G`; ``(state, StepInfo)``."""
+def additive_update(rule: AdditiveRule, state: AdditiveState, grad, loss=jnp.nan, check=None):
+    """One additive step from the flat gradient :math:`\\hat G`; ``(state, StepInfo)``. A non-finite step is skipped
+    (:func:`~numpyro_blr.core.skip_decision`; ``check`` is :attr:`~numpyro_blr.estimators.Estimate.check`)."""
     loc, trace = additive_step(rule, state.loc, state.momentum, grad, state.count)
-    ok = _finite(loc)  # a non-finite gradient makes the trace, hence loc, non-finite
+    # a non-finite gradient makes the trace, hence loc, non-finite
+    ok, entry = skip_decision(check, grad, loc)
     count, skipped = _counted(ok, state)
-    loc, trace = select(ok, (loc, trace), (state.loc, state.momentum))
+    loc, trace = select(entry, (loc, trace), (state.loc, state.momentum))
     return state._replace(loc=loc, momentum=trace, count=count, skipped=skipped), StepInfo(loss, ~ok)
 
 
-def multiplicative_update(rule: MultiplicativeRule, state: MultiplicativeState, grad: MultiplicativeGrad, loss=jnp.nan):
-    """One multiplicative step from the algebra gradient; ``(state, StepInfo)``."""
+def multiplicative_update(rule: MultiplicativeRule, state: MultiplicativeState, grad: MultiplicativeGrad, loss=jnp.nan,
+                          check=None):
+    """One multiplicative step from the algebra gradient; ``(state, StepInfo)``; skips as :func:`additive_update`."""
     z, mom = multiplicative_factor(rule, state.momentum, grad.scale, state.count)
     raw = state.scale * jnp.exp(-z) + (mom - mom)  # non-finite iff either is (x - x: 0 or NaN): one vector to check
-    ok = _finite(raw)
-    scale, mom = select(ok, (clamp_scale(raw), mom), (state.scale, state.momentum))
+    ok, entry = skip_decision(check, grad.scale, raw)
+    scale, mom = select(entry, (clamp_scale(raw), mom), (state.scale, state.momentum))
     count, skipped = _counted(ok, state)
     return state._replace(scale=scale, momentum=mom, count=count, skipped=skipped), StepInfo(loss, ~ok)
 
 
-def affine_update(rule: AffineRule, state: AffineState, grad: AffineGrad, loss=jnp.nan):
-    """One affine step from the algebra gradient; ``(state, StepInfo)``."""
+def affine_update(rule: AffineRule, state: AffineState, grad: AffineGrad, loss=jnp.nan, check=None):
+    """One affine step from the algebra gradient; ``(state, StepInfo)``; skips as :func:`additive_update`."""
     z, shift, m_loc, m_scale, decay = affine_direction(rule, state.scale, state.loc_momentum, state.scale_momentum, grad,
                                                        state.count, with_decay=True)
     # a non-finite m_loc makes the shift, hence loc, non-finite (A phi(z) > 0); + (m_scale - m_scale) (0 or NaN)
     # makes loc non-finite iff m_scale is too, so that the skip checks one vector
     loc = state.loc + shift + (m_scale - m_scale)
     scale = clamp_scale(state.scale + state.scale * decay)  # A e^{-z} = A + A expm1(-z): one transcendental
-    ok = _finite(loc)
+    ok, entry = skip_decision(check, grad, loc)
     old = (state.loc, state.scale, state.loc_momentum, state.scale_momentum)
-    loc, scale, m_loc, m_scale = select(ok, (loc, scale, m_loc, m_scale), old)
+    loc, scale, m_loc, m_scale = select(entry, (loc, scale, m_loc, m_scale), old)
     count, skipped = _counted(ok, state)
     new_state = state._replace(loc=loc, scale=scale, loc_momentum=m_loc, scale_momentum=m_scale, count=count, skipped=skipped)
     return new_state, StepInfo(loss, ~ok)
@@ -626,7 +619,7 @@ def liegroup_algorithm(group, estimator, rule, init):
     apply = UPDATES[group]
 
     def update(state, estimate):
-        return apply(rule, state, estimate.grad, estimate.loss)
+        return apply(rule, state, estimate.grad, estimate.loss, estimate.check)
 
     def step(key, state, loss_fn, *batch):
         return update(state, estimator(key, state, loss_fn, *batch))
@@ -686,7 +679,7 @@ def lie_as_optax(parts, seed=0):
         layout = state.layout
         _, noise = parts.estimator.draw(opt_state.key, state)
         estimate = parts.estimator.from_grads(state, layout.ravel(grads), noise)
-        new, _ = apply(parts.rule, state, estimate.grad, estimate.loss)
+        new, _ = apply(parts.rule, state, estimate.grad, estimate.loss, finite_check(grads))
         if parts.group == "additive":  # the step itself, so that the view is optax.sgd to the last bit
             step, _ = additive_delta(parts.rule, state.momentum, estimate.grad, state.count)
             delta = jnp.where(new.count > state.count, step, jnp.zeros_like(step))
