@@ -64,15 +64,6 @@ def sampled_weights(key, state, ess, noise_rng="hash"):
     return weights, lambda: offset(0, m.shape[0])
 
 
-def unravel_materialised(layout, flat):
-    r"""The weights a loss is evaluated at, ``layout.to_params(flat)`` (in the parameters' dtype), each leaf written
-    once (an optimisation barrier). Without it XLA fuses the slice of the flat draw :math:`m + \sigma\epsilon`
-    into every consumer of a small leaf (a bias is read by the forward and the backward pass), recomputing it there,
-    and its cost analysis then charges each such fusion with the whole flat operands (two passes over the
-    parameters per consumer: 170 passes instead of 40 for a 12-block transformer)."""
-    return lax.optimization_barrier(layout.to_params(flat))
-
-
 def _monte_carlo(fn, keys, vmap_samples):
     """Mean over ``keys`` of the tuple ``fn(key)``: no batching for one key, ``vmap`` or a ``scan``."""
     if keys.shape[0] == 1:  # no vmap: a batch-1 vmap turns every matmul into a batched one
