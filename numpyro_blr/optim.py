@@ -324,6 +324,7 @@ class BLR(GuideOptimizer):
             damped_recent=full((), 0),
             damping=full((), 1),
             loss_blocks=empty_loss_blocks(dtype),
+            loss_blocks_clipped=empty_loss_blocks(dtype),
         )
         averaged = self._averaged(params, layout)
         state = BLRState(
