@@ -5,9 +5,10 @@ r"""The BLR step of one non-Gaussian :class:`numpyro_blr.guides.ExpFamilyGuide` 
     \lambda \leftarrow \lambda - \rho\,\nabla_\mu \mathcal L = (1-\rho)\lambda - \rho\,\nabla_\mu \mathbb E_q[\ell],
 
 with the improved-BLR retraction (Lin, Schmidt & Khan 2020) keeping the parameters valid. Gamma, Beta
-and Dirichlet sites are read by :mod:`numpyro_blr.estimators.implicit`, Bernoulli and Categorical
-sites by :mod:`numpyro_blr.estimators.discrete` (enumeration, or the score function above
-``max_enumerate`` loss evaluations).
+and Dirichlet sites are read by :mod:`numpyro_blr.estimators.implicit` (from SVI's gradient, which the
+guide makes a score-free path derivative), Bernoulli and Categorical sites by
+:mod:`numpyro_blr.estimators.discrete` (enumeration, or the score function above ``max_enumerate`` loss
+evaluations).
 """
 
 from numpyro_blr.estimators import discrete, implicit

@@ -12,7 +12,10 @@ real -> ``"normal"``, positive -> ``"gamma"``, unit_interval -> ``"beta"``, simp
 optimizer (:mod:`numpyro_blr.estimators.discrete`), so their gradient has no score-function noise.
 
 Continuous non-Gaussian sites are drawn with NumPyro's implicitly reparameterised samplers (Gamma,
-Beta, Dirichlet). Discrete sites are drawn exactly; with an optimizer other than ``nb.BLR`` their
+Beta, Dirichlet), and their log density is evaluated with the parameters under ``stop_gradient``
+(:class:`~numpyro_blr.estimators.implicit.PathDerivative`): the same draws and loss, and a gradient without
+the score term of :math:`\log q` (the path derivative, Roeder et al. 2017), exact at the BLR's fixed point
+on a conjugate site. Discrete sites are drawn exactly; with an optimizer other than ``nb.BLR`` their
 parameters get ``Trace_ELBO``'s (not useful) gradient, so use ``nb.BLR``.
 """
 
@@ -23,13 +26,20 @@ import jax
 import jax.numpy as jnp
 import numpyro
 import numpyro.distributions as dist
+from jax import lax
 from numpyro import handlers
 from numpyro.distributions import constraints
 from numpyro.distributions.transforms import biject_to
 from numpyro.infer.initialization import init_to_uniform
 
 from numpyro_blr.estimators.discrete import MAX_ENUMERATE, SCORE_SAMPLES
+from numpyro_blr.estimators.implicit import PathDerivative
 from numpyro_blr.families.registry import FAMILIES, GUIDE_FAMILIES, allowed_families, base_support, default_family, num_categories
+
+
+#: the families whose guide site draws with the live parameters and evaluates log q with stopped ones
+#: (:class:`~numpyro_blr.estimators.implicit.PathDerivative`): SVI's gradient is then the path derivative
+PATH_DERIVATIVE_FAMILIES = ("gamma", "beta", "dirichlet")
 
 
 def _value_for_improper(site):
@@ -212,7 +222,10 @@ class ExpFamilyGuide:
                     stack.enter_context(plates[f])
                 # a discrete site is drawn from its logits: nb.BLR sets a value by setting the logits
                 # (numpyro_blr.estimators.discrete), no state outside the parameters
-                result[name] = numpyro.sample(name, self._dist(name, values))
+                d = self._dist(name, values)
+                if fam.name in PATH_DERIVATIVE_FAMILIES:  # the same draw; log q without its score term
+                    d = PathDerivative(d, self._dist(name, jax.tree.map(lax.stop_gradient, values)))
+                result[name] = numpyro.sample(name, d)
         return result
 
     # -- accessors ----------------------------------------------------------------------------

@@ -20,7 +20,8 @@ Modules:
 :mod:`.relaxation`          :math:`\pm1` Bernoulli weights: Gumbel-softmax / Concrete
                             relaxation (BayesBiNN); ``grad`` a pytree like the weights
 :mod:`.implicit`            Gamma / Beta / Dirichlet sites: the implicit-reparameterisation
-                            gradient mapped to :math:`\nabla_\mu` by :math:`J^{-\top}`
+                            path derivative (no score term) mapped to :math:`\nabla_\mu` by
+                            :math:`J^{-\top}`, the entropy's gradient :math:`\lambda` in closed form
 :mod:`.discrete`            Bernoulli / Categorical sites: enumeration (local expectation
                             gradients), score function with a leave-one-out baseline
 :mod:`.weights`             diagonal Gaussian over a network's weights: Price with weight noise

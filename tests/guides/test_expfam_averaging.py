@@ -6,7 +6,9 @@ Gamma-Poisson (``rate ~ Gamma(2, 1)``, the first 10 of ``default_rng(3).poisson(
 posterior is Gamma(40, 11). Over seeds 0-29 at 300 steps (float32, as the tests run) the last iterate (the old
 output) had an RMS relative error of 0.183 in the concentration and 0.184 in the rate (worst seed 0.47), the
 average has 0.125 and 0.118 (worst 0.27; float64, seeds 0-11: 0.21 -> 0.12); the bound, RMS < 0.15, lies
-between the two. What is left is the per-step noise of the implicit estimator (its score term), not the average.
+between the two. What was left was the per-step noise of the implicit estimator (its score term), not the average;
+since the guide's Gamma site gives the path derivative (no score term, tests/families/test_score_free.py) the
+returned average ends at Gamma(40, 11) to float32 rounding (RMS 7e-7, 9e-7) and the bound holds trivially.
 """
 
 import warnings
@@ -69,7 +71,8 @@ def test_the_average_is_kept_in_natural_parameters_and_returned():
         state, _ = jax.lax.scan(lambda s, _: (svi.update(s, y)[0], None), state, None, length=50)
     avg = state.optim_state[1].algorithm.average
     out = svi.get_params(state)
-    np.testing.assert_allclose([out[names[0]] - 1.0, -out[names[1]]], [avg[names[0]], avg[names[1]]], rtol=1e-10)
+    # float32: get_params maps the average through log and exp (a few ulp)
+    np.testing.assert_allclose([out[names[0]] - 1.0, -out[names[1]]], [avg[names[0]], avg[names[1]]], rtol=1e-6)
     last = {n: float(jnp.exp(state.optim_state[1].params[n])) for n in names}
     assert abs(last[names[0]] - float(out[names[0]])) > 1e-3
 
