@@ -406,8 +406,10 @@ class BLR(GuideOptimizer):
         lr = jnp.asarray(self.step_size(i, params, layout, s.trace.clock), dtype=dtype)
         # the step of the point masses (not averaged) and of the exponential-family blocks: these are averaged
         # too, but keep the 1/t step (their iterate is already an average of the per-step targets; with the
-        # Gaussian blocks' t^-1/2 step the improved-BLR retraction's second-order term, >= 0, biases the
-        # concentration upwards: nb.online.Stream of 6 Gamma-Poisson batches ended 1.6-2.3x overconfident)
+        # Gaussian blocks' t^-1/2 step the improved-BLR retraction's second-order term, >= 0, biased the
+        # concentration upwards under the score-function noise of the time: nb.online.Stream of 6 Gamma-Poisson
+        # batches ended 1.6-2.3x overconfident; the path-derivative estimate now has no noise at a conjugate
+        # site's fixed point, estimators.implicit)
         gamma = lr
         averaging = bool(s.average)
         if averaging:  # the averaged Gaussian blocks step with rho_0 / sqrt(1 + c/tau)

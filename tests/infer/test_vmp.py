@@ -248,9 +248,10 @@ def test_ncvmp_mixes_exact_and_natural_gradient_steps():
 
 def test_ncvmp_gamma_site_takes_its_family_blr_step_to_the_closed_form_optimum():
     """A Gamma site read as a Normal *scale* (log p = -log s - y^2 / (2 s^2): not affine in (log s, s)) takes the Gamma
-    family's improved BLR step on an implicit-reparameterisation estimate (256 fixed draws). The ELBO is closed-form
-    here (E[s^-2] = b^2 / ((a-1)(a-2))): the fit's ELBO is within 0.05 nat of its maximum (found by scipy; the prior,
-    the start, is 3.5 nat below it) and its mean within 0.1 posterior sd of the optimum's."""
+    family's improved BLR step on an implicit-reparameterisation path-derivative estimate (256 fixed draws). The ELBO is
+    closed-form here (E[s^-2] = b^2 / ((a-1)(a-2))): the fit's ELBO is within 0.01 nat of its maximum (found by scipy;
+    the prior, the start, is 3.5 nat below it) and its mean within 0.1 posterior sd of the optimum's. With the entropy
+    in closed form instead of the path term (before) the gap was 0.012 nat; with 16 draws 0.118 (0.018 now)."""
     y = np.random.default_rng(7).normal(0.0, 2.0, 40)
     a0, b0 = 10.0, 5.0
 
@@ -277,7 +278,7 @@ def test_ncvmp_gamma_site_takes_its_family_blr_step_to_the_closed_form_optimum()
     assert res.converged
     q = res.posterior["s"]
     a, b = float(q.concentration), float(q.rate)
-    assert elbo(a, b) > elbo(a_opt, b_opt) - 0.05  # measured 0.012: the 256-draw sample-average fixed point
+    assert elbo(a, b) > elbo(a_opt, b_opt) - 0.01  # measured 0.0009: the 256-draw sample-average fixed point
     assert abs(a / b - a_opt / b_opt) < 0.1 * math.sqrt(a_opt) / b_opt
 
 
