@@ -49,7 +49,7 @@ with no Python warning raised during the run.
             guide's Adam optimum; the Table-1 presets with AutoMultivariateNormal against nb.BLR() and ELBO*; nb.IVON
             + AutoNormal and nb.mixture_blr on the potential against the best Gaussian of the family).
 
-Run: python bench/bench_robustness.py [--quick] [--cases a,b] [--steps N] [--float32] [--rows blr,liegroup,expfam,von,newton,laplace,ivon,mixture]
+Run: python bench/bench_robustness.py [--quick] [--cases a,b] [--steps N] [--float32] [--rows blr,liegroup,expfam,von,newton,laplace,ivon,mixture] [--ivon-tuned]
 """
 
 import argparse
@@ -196,6 +196,9 @@ def main():
     ap.add_argument("--no-nuts", action="store_true", help="skip the NUTS timing")
     ap.add_argument("--no-opt", action="store_true", help="skip the KL-optimal Gaussian (ELBO* column)")
     ap.add_argument("--rows", default="blr", help=f"comma-separated entry points among {ROWS} (default blr)")
+    ap.add_argument("--ivon-tuned", action="store_true",
+                    help="the ivon row with nb.IVON(lr=0.3, ess=N, hess_init=0.1, beta2=0.999) (docs/deep-learning.md's "
+                         "SVI settings, the row before IVON had a default lr) instead of nb.IVON()")
     args = ap.parse_args()
     rows_selected = [r for r in args.rows.split(",") if r]
     unknown = sorted(set(rows_selected) - set(ROWS))

@@ -15,10 +15,11 @@ Rows (each fits ``--steps`` steps with one jitted ``lax.scan``, as ``SVI.run``):
            Yardstick of these three: ``nb.BLR()`` + ``AutoMultivariateNormal`` and ELBO* (the KL-optimal
            full Gaussian, ``robustness_cases.optimal_gaussian``) unless ``--no-opt``.
 
-  ivon     ``nb.IVON(lr=0.3, ess=N, hess_init=0.1, beta2=0.999)`` + ``AutoNormal`` under ``SVI``, the settings
-           docs/deep-learning.md gives for SVI (IVON has no default ``lr``), ``N`` the number of observations
-           the likelihood sums over. Yardstick: the best mean-field Gaussian (``nb.BLR()`` + ``AutoNormal``
-           and ELBO* unless ``--no-opt``).
+  ivon     ``nb.IVON()`` + ``AutoNormal`` under ``SVI``: IVON's defaults (no ``lr``: ``nb.BLR()``'s adaptive step
+           size on IVON's step, and ``ess`` read from the model, printed as ``N``; numpyro_blr/deep/svi.py). Until
+           IVON had a default ``lr`` this row ran ``nb.IVON(lr=0.3, ess=N, hess_init=0.1, beta2=0.999)``, the
+           settings docs/deep-learning.md gives for SVI (``--ivon-tuned`` runs them again). Yardstick: the best
+           mean-field Gaussian (``nb.BLR()`` + ``AutoNormal`` and ELBO* unless ``--no-opt``).
   mixture  ``nb.mixture_blr(0.3, num_components=2)`` (docs/mixtures.md's settings: it has no default ``lr``)
            on the model's potential (``numpyro.infer.util.initialize_model``: minus the log joint in the
            unconstrained space, as ``SVI``'s autoguides see it), the components started at NumPyro's
@@ -169,20 +170,25 @@ def ivon_rows(selected, args, t_start):
     from numpyro_blr.deep import IVON
 
     b = _bench()
+    tuned = getattr(args, "ivon_tuned", False)
+    title = ("nb.IVON(lr=0.3, ess=N, hess_init=0.1, beta2=0.999)" if tuned else "nb.IVON() (its defaults; N: the ess it "
+             "read)")
 
     def fit_row(case, args):
         key, ekey = jax.random.PRNGKey(0), jax.random.PRNGKey(1)
         n = n_observations(case)
-        run = b.Run(case, AutoNormal, IVON(lr=0.3, ess=n, hess_init=0.1, beta2=0.999), args.steps, 10, key)
+        optim = IVON(lr=0.3, ess=n, hess_init=0.1, beta2=0.999) if tuned else IVON()
+        run = b.Run(case, AutoNormal, optim, args.steps, 10, key)
         e = b.safe_elbo(case, run.guide, run.params[-1], ekey)
         best = _best_gaussian(case, AutoNormal, args, diagonal=True)
         gap = best - e if math.isfinite(e) else float("inf")
         ok = run.finite and gap <= ELBO_TOL
-        fields = f"N {n:5d} ELBO {_fmt(e)} best {_fmt(best)} gap {_fmt(gap, '9.2f')} wall {run.t_compile + run.t_run:5.1f}"
+        fields = (f"N {int(optim.ess):5d} ELBO {_fmt(e)} best {_fmt(best)} gap {_fmt(gap, '9.2f')} "
+                  f"wall {run.t_compile + run.t_run:5.1f}")
         return fields, ok, _warned(run)
 
-    _row_table("nb.IVON(lr=0.3, ess=N, hess_init=0.1, beta2=0.999) + AutoNormal under SVI; yardstick the best "
-               "mean-field Gaussian (nb.BLR() + AutoNormal, ELBO*)", "ivon", selected, args, t_start, fit_row)
+    _row_table(f"{title} + AutoNormal under SVI; yardstick the best mean-field Gaussian (nb.BLR() + AutoNormal, "
+               "ELBO*)", "ivon", selected, args, t_start, fit_row)
 
 
 def mixture_rows(selected, args, t_start):
