@@ -116,6 +116,26 @@ class IVONSVIState(NamedTuple):
     grams: "GradientBlocks" = None
 
 
+def _check_layout(layout, params, prefix):
+    """IVON's guide: diagonal Gaussian blocks only (a ``GuideLayoutError`` naming the parameters otherwise)."""
+    bad = [b.loc for b in layout.blocks if b.kind != DIAGONAL]
+    if bad or not layout.blocks:
+        raise GuideLayoutError(
+            f"IVON needs a diagonal Gaussian guide ('<site>_{prefix}_loc'/'<site>_{prefix}_scale' "
+            f"or '{prefix}_loc'/'{prefix}_scale': AutoNormal, AutoDiagonalNormal); "
+            f"got parameters {sorted(params)}" + (f" (not diagonal Gaussian: {bad})" if bad else "") + "."
+        )
+
+
+def _initial_scales(params, layout, ess, hess_init, weight_decay):
+    """The guide's scales set to IVON's initial s.d. :math:`1/\\sqrt{N(h_0 + \\delta)}` (``hess_init`` None: kept)."""
+    if hess_init is not None:
+        sd = (ess * (hess_init + weight_decay)) ** -0.5
+        for b in layout.blocks:
+            params[b.scale] = b.transform.inv(jnp.full_like(params[b.scale], sd))
+    return params
+
+
 def ivon_guide_algorithm(lr, ess, hess_init=1.0, beta1=0.9, beta2=0.99999, weight_decay=0.0,
                          clip_radius=float("inf"), rescale_lr=True):
     """IVON over a guide's diagonal Gaussian blocks, for :class:`~numpyro_blr.svi.GuideOptimizer`
@@ -125,20 +145,8 @@ def ivon_guide_algorithm(lr, ess, hess_init=1.0, beta1=0.9, beta2=0.99999, weigh
                      rescale_lr=bool(rescale_lr) and hess_init is not None)
     lam, delta = float(ess), float(weight_decay)
 
-    def check_layout(layout, params, prefix):
-        bad = [b.loc for b in layout.blocks if b.kind != DIAGONAL]
-        if bad or not layout.blocks:
-            raise GuideLayoutError(
-                f"IVON needs a diagonal Gaussian guide ('<site>_{prefix}_loc'/'<site>_{prefix}_scale' "
-                f"or '{prefix}_loc'/'{prefix}_scale': AutoNormal, AutoDiagonalNormal); "
-                f"got parameters {sorted(params)}" + (f" (not diagonal Gaussian: {bad})" if bad else "") + "."
-            )
-
     def init(params, layout):
-        if hess_init is not None:
-            sd = (lam * (hess_init + delta)) ** -0.5
-            for b in layout.blocks:
-                params[b.scale] = b.transform.inv(jnp.full_like(params[b.scale], sd))
+        params = _initial_scales(params, layout, lam, hess_init, delta)
         momentum = {b.loc: jnp.zeros_like(params[b.loc]) for b in layout.blocks}
         dtype = jnp.result_type(*[params[b.loc] for b in layout.blocks])
         return params, IVONSVIState(momentum, jnp.zeros((), jnp.int32), init_loss_trace(dtype))
@@ -186,7 +194,7 @@ def ivon_guide_algorithm(lr, ess, hess_init=1.0, beta1=0.9, beta2=0.99999, weigh
             )
         return out
 
-    return GuideAlgorithm("IVON", init, step, commit_if_finite, report, check_layout)
+    return GuideAlgorithm("IVON", init, step, commit_if_finite, report, _check_layout)
 
 
 
@@ -305,20 +313,8 @@ def ivon_default_algorithm(ess, hess_init=1.0, beta1=0.0, beta2=None, weight_dec
     rule0 = base.parts.rule._replace(positivity="one-sided")  # lr and beta2 are set at each step
     lam, delta = float(ess), float(weight_decay)
 
-    def check_layout(layout, params, prefix):
-        bad = [b.loc for b in layout.blocks if b.kind != DIAGONAL]
-        if bad or not layout.blocks:
-            raise GuideLayoutError(
-                f"IVON needs a diagonal Gaussian guide ('<site>_{prefix}_loc'/'<site>_{prefix}_scale' "
-                f"or '{prefix}_loc'/'{prefix}_scale': AutoNormal, AutoDiagonalNormal); "
-                f"got parameters {sorted(params)}" + (f" (not diagonal Gaussian: {bad})" if bad else "") + "."
-            )
-
     def init(params, layout):
-        if hess_init is not None:
-            sd = (lam * (hess_init + delta)) ** -0.5
-            for b in layout.blocks:
-                params[b.scale] = b.transform.inv(jnp.full_like(params[b.scale], sd))
+        params = _initial_scales(params, layout, lam, hess_init, delta)
         locs = {b.loc: params[b.loc] for b in layout.blocks}
         dtype = jnp.result_type(*locs.values())
         size = sum(int(np.prod(jnp.shape(v))) for v in locs.values())
@@ -414,7 +410,7 @@ def ivon_default_algorithm(ess, hess_init=1.0, beta1=0.0, beta2=None, weight_dec
     def report(state, optimizer):
         return skipped(state, optimizer) + default_report(state, optimizer)
 
-    return GuideAlgorithm("IVON", init, step, commit, report, check_layout, result=result)
+    return GuideAlgorithm("IVON", init, step, commit, report, _check_layout, result=result)
 
 
 def default_report(state, optimizer):
