@@ -39,7 +39,9 @@ def run_worker(*checks, timeout=400):
     cache = jax.config.jax_compilation_cache_dir
     if cache:
         env["NB_TEST_JAX_CACHE"] = str(cache)
-    env.pop("XLA_FLAGS", None)
+    env.pop("XLA_FLAGS", None)  # the worker sets its own device count
+    if "--xla_backend_optimization_level=0" in os.environ.get("XLA_FLAGS", ""):
+        env["XLA_FLAGS"] = "--xla_backend_optimization_level=0"  # conftest's fast compile for the suite, kept
     out = subprocess.run([sys.executable, str(WORKER), *checks], capture_output=True, text=True, env=env,
                          timeout=timeout)
     results = {}
