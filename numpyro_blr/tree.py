@@ -203,9 +203,7 @@ def _box_muller_pairs(k, j):
 def hash_normal_at(key_words, start, size, n):
     r"""Elements ``start .. start + size`` of ``hash_normal(key, n)`` (float32), each computed on its own from
     ``key_words = jax.random.bits(key, (4,), jnp.uint32)``: element :math:`i` is the cosine half of pair :math:`i`
-    (:math:`i < \lceil n/2
-ceil`) or the sine half of pair :math:`i - \lceil n/2
-ceil`. The same values as
+    (:math:`i < \lceil n/2\rceil`) or the sine half of pair :math:`i - \lceil n/2\rceil`. The same values as
     :func:`hash_normal`'s (bit for bit where the backend evaluates the same operations alike), with nothing stored:
     XLA fuses the draw into whatever reads it, at the price of one logarithm per element instead of per pair."""
     half = (int(n) + 1) // 2
@@ -245,7 +243,7 @@ class NoiseSlices:
 
     This is how a step builds the weights a loss is evaluated at leaf by leaf, straight from the flat state and the
     noise, and later reads the same noise again in its update. With ``rng='hash'`` on an accelerator
-    (:func:`regenerate_noise`) every slice is recomputed from the counter hash where it is read (nothing of the
+    (:func:`fused_passes`) every slice is recomputed from the counter hash where it is read (nothing of the
     parameters' size is stored, so the draw costs no memory traffic); otherwise the draw is made once, kept (an
     optimisation barrier: XLA does not recompute it in each consumer) and sliced. The values are the same either
     way. ``regenerate`` overrides the choice (None: :func:`fused_passes`).
