@@ -118,16 +118,8 @@ def _preset_rows(name, make, judged):
         def fit_row(case, args):
             key, ekey = jax.random.PRNGKey(0), jax.random.PRNGKey(1)
             run = b.Run(case, AutoMultivariateNormal, make(), args.steps, 10, key)
-            ref = b.Run(case, AutoMultivariateNormal, nb.BLR(), args.steps, 10, key)
             e = b.safe_elbo(case, run.guide, run.params[-1], ekey)
-            cands = [b.safe_elbo(case, ref.guide, ref.params[-1], ekey)]
-            if not args.no_opt:
-                try:
-                    opt = b.rc.optimal_guide_params(case, ref.guide, ref.params[-1], diagonal=False)
-                    cands.append(b.safe_elbo(case, ref.guide, opt, ekey))
-                except Exception:  # noqa: BLE001 - ELBO* unavailable: BLR's ELBO alone
-                    pass
-            best = max([v for v in cands if math.isfinite(v)], default=float("nan"))
+            best = _best_gaussian(case, AutoMultivariateNormal, args, diagonal=False)
             gap = best - e if math.isfinite(e) else float("inf")
             ok = run.finite and (gap <= ELBO_TOL if judged else True)
             lgap = run.report.laplace_gap if run.report is not None else None
