@@ -43,6 +43,7 @@ from numpyro_blr import expfam_blocks
 from numpyro_blr.core import backtracking_factor
 from numpyro_blr.estimators import HESSIANS, at_mean, estimate, hoist_constant_work
 from numpyro_blr.estimators.gaussian import laplace_gap_from_losses
+from numpyro_blr.estimators.svi import loss_particles
 from numpyro_blr.layout import DIAGONAL, EXPFAM, FULL, POINT, apply_transform
 from numpyro_blr.parallel import check_guide_memory
 from numpyro_blr.report import FitTrace, empty_loss_blocks, fit_report, is_block_end, next_trace
@@ -385,9 +386,10 @@ class BLR(GuideOptimizer):
         loss_fn, fn = fn, hoist_constant_work(fn, params)
         hessian = self.hessian_for(params, layout)
         gap_on = s.laplace_gap is not None and s.laplace_gap.shape[0] > 0
+        # the control variate needs the sample's offset, which a loss averaged over particles does not give
         (loss, aux), grads, stats, points, joint_hess, *mean_loss = estimate(
             fn, params, layout, hessian, self.delta, forward_mode, self.point_hessian,
-            with_mean_loss=self.backtrack or gap_on,
+            with_mean_loss=self.backtrack or gap_on, control_variate=loss_particles(loss_fn) == 1,
         )
         # The estimates pass an optimization barrier: materialised once, where XLA would otherwise fuse
         # copies of the estimator's internals (the loss's tail, the Hessian's last products) into the

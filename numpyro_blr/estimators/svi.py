@@ -25,10 +25,15 @@ gradients carry all the BLR needs (Khan & Rue 2023, Sec. 4.2; Lin et al. 2019, B
   The reported loss is still the ELBO loss at the guide's actual parameters.
 
 ``Trace_ELBO(num_particles=K)`` averages the gradients of K samples, and every estimate above is
-linear in those gradients, so several Monte Carlo samples need nothing more.
+linear in those gradients, so several Monte Carlo samples need nothing more, except the exact
+Hessian's control variate: it needs the sample's offset :math:`z - m`, solved from the Hessian and
+its product with the offset, which over K particles are averages whose solution weighs each
+particle's offset by its curvature (on a Poisson model, a mean 0.19 sd off the optimum with K = 4).
+:func:`estimate` leaves it out where the loss averages particles (:func:`loss_particles`).
 """
 
 import contextlib
+import functools
 from typing import NamedTuple, Optional
 
 import jax
@@ -266,7 +271,32 @@ def _grad_and_loc_hessian(fn, params, names, forward_mode, scaled_blocks=()):
     return out, grads, jac, column
 
 
-def estimate(fn, params, layout, hessian="reparam", delta=False, forward_mode=False, point_hessian="autodiff", with_mean_loss=False):
+def loss_particles(fn):
+    """How many particles the loss ``fn`` averages: the ``num_particles`` of the ELBO that NumPyro's
+    ``SVI.update`` closes ``fn`` over (``numpyro.infer.svi._make_loss_fn``), looked up in its closure cells and
+    ``functools.partial`` arguments; 1 where none is found (a loss written by hand is taken as one sample)."""
+    seen, todo = set(), [fn]
+    while todo:
+        f = todo.pop()
+        if id(f) in seen or len(seen) > 64:
+            continue
+        seen.add(id(f))
+        n = getattr(f, "num_particles", None)
+        if isinstance(n, (int, np.integer)) and not isinstance(n, bool) and callable(getattr(f, "loss", None)):
+            return int(n)
+        if isinstance(f, functools.partial):
+            todo += [f.func, *f.args]
+        for cell in getattr(f, "__closure__", None) or ():
+            try:
+                todo.append(cell.cell_contents)
+            except ValueError:  # an empty cell
+                pass
+        todo.append(getattr(f, "__wrapped__", None))
+    return 1
+
+
+def estimate(fn, params, layout, hessian="reparam", delta=False, forward_mode=False, point_hessian="autodiff", with_mean_loss=False,
+             control_variate=True):
     """Evaluate the loss and the BLR's gradient statistics for every block of ``layout``.
 
     Returns ``((loss, aux), grads, stats, points, joint)`` where ``grads`` are the raw gradients of
@@ -278,6 +308,10 @@ def estimate(fn, params, layout, hessian="reparam", delta=False, forward_mode=Fa
     ('autodiff' or 'none') is the curvature used for point masses, which have no sample. With
     ``with_mean_loss`` and ``delta``, a sixth value: the loss at the mean, where gradient and Hessian
     were evaluated (backtracking compares with it: one loss evaluation less to compile and to run).
+    ``control_variate=False`` leaves out the sample's offset :math:`z - m` (``BlockStats.offset``): it is
+    solved from the Hessian and its product with the offset, which for a loss averaged over several
+    particles are averages over the particles, and the solution is then not the average offset (a biased
+    control variate; :func:`loss_particles`).
     """
     if hessian not in HESSIANS:
         raise ValueError(f"hessian must be one of {HESSIANS}, got {hessian!r}")
@@ -291,7 +325,7 @@ def estimate(fn, params, layout, hessian="reparam", delta=False, forward_mode=Fa
     names += point_names if point_hessian == "autodiff" else []
     offset_of = {}
     if names:
-        scaled = tuple(gauss) if (hessian == "autodiff" and not delta) else ()
+        scaled = tuple(gauss) if (hessian == "autodiff" and not delta and control_variate) else ()
         (loss, aux), grads, hess, column = _grad_and_loc_hessian(fn, eval_params, names, forward_mode, scaled)
     else:
         (loss, aux), grads = _value_and_grad(fn, eval_params, forward_mode)
