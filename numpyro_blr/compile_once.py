@@ -559,10 +559,16 @@ def _custom_calls(lowered):
     return sorted(set(re.findall(r"custom_call @([\w.$-]+)", text)) | set(re.findall(r'call_target_name = "([^"]+)"', text)))
 
 
+#: custom calls that XLA itself implements (its GPU backend allocates a scan's buffers through ``AllocateBuffer``)
+_XLA_CUSTOM_CALLS = frozenset({"AllocateBuffer", "Sharding", "SPMDFullToShardShape", "SPMDShardToFullShape",
+                               "annotate_device_placement", "MoveToHost", "MoveToDevice", "SliceToDynamic",
+                               "PadToStatic"})
+
+
 def _loadable_custom_calls(names):
-    """Whether every custom call of a program resolves in a fresh process that did not lower it: LAPACK's
-    (initialised before loading) and those jaxlib registers at import; never a host callback."""
-    registered = set()
+    """Whether every custom call of a program resolves in a fresh process that did not lower it: XLA's own,
+    LAPACK's (initialised before loading) and those jaxlib registers at import; never a host callback."""
+    registered = set(_XLA_CUSTOM_CALLS)
     try:
         from jax._src.lib import gpu_linalg, gpu_solver, gpu_sparse
 
