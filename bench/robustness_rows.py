@@ -20,10 +20,11 @@ Rows (each fits ``--steps`` steps with one jitted ``lax.scan``, as ``SVI.run``):
            IVON had a default ``lr`` this row ran ``nb.IVON(lr=0.3, ess=N, hess_init=0.1, beta2=0.999)``, the
            settings docs/deep-learning.md gives for SVI (``--ivon-tuned`` runs them again). Yardstick: the best
            mean-field Gaussian (``nb.BLR()`` + ``AutoNormal`` and ELBO* unless ``--no-opt``).
-  mixture  ``nb.mixture_blr(0.3, num_components=2)`` (docs/mixtures.md's settings: it has no default ``lr``)
-           on the model's potential (``numpyro.infer.util.initialize_model``: minus the log joint in the
-           unconstrained space, as ``SVI``'s autoguides see it), the components started at NumPyro's
-           initial point and one unit either side along the first coordinate; its ELBO
+  mixture  ``nb.mixture_blr()`` (its defaults: the adaptive step size, backtracking; two components, read off the
+           means given to ``init``; until it had a default ``lr`` this row ran ``nb.mixture_blr(0.3, 2)``, the
+           settings of docs/mixtures.md) on the model's potential (``numpyro.infer.util.initialize_model``: minus
+           the log joint in the unconstrained space, as ``SVI``'s autoguides see it), the components started at
+           NumPyro's initial point and one unit either side along the first coordinate; its ELBO
            :math:`\mathbb E_q[-U - \log q]` from 2000 draws of the mixture. Yardstick: the best full Gaussian
            (``nb.BLR()`` + ``AutoMultivariateNormal`` and ELBO*): a mixture contains every Gaussian, so it should
            end no lower. Its end-of-run report is ``nb.mixture.check(state)`` (skipped steps, divergence,
@@ -201,7 +202,7 @@ def mixture_rows(selected, args, t_start):
         info = initialize_model(key, case.model, model_args=case.args, model_kwargs=case.kwargs)
         flat, unravel = ravel_pytree(info.param_info.z)
         loss = lambda x: info.potential_fn(unravel(x))  # noqa: E731 - minus the log joint, unconstrained
-        opt = nb.mixture_blr(0.3, K)
+        opt = nb.mixture_blr()  # its defaults; K components from the means given to init
         shift = jnp.zeros_like(flat).at[0].set(1.0)
         state = opt.init(jnp.stack([flat - shift, flat + shift]))
         with warnings.catch_warnings(record=True) as caught:
@@ -225,8 +226,8 @@ def mixture_rows(selected, args, t_start):
                   f"weights {'/'.join(f'{x:.2f}' for x in w / w.sum())} wall {wall:5.1f}")
         return fields, ok, [str(c.message) for c in caught if not issubclass(c.category, b.QUIET)]
 
-    _row_table(f"nb.mixture_blr(0.3, num_components={K}) on the model's potential; yardstick the best full Gaussian "
-               "(nb.BLR() + AutoMultivariateNormal, ELBO*)", "mixture", selected, args, t_start, fit_row)
+    _row_table(f"nb.mixture_blr() (its defaults), {K} components, on the model's potential; yardstick the best full "
+               "Gaussian (nb.BLR() + AutoMultivariateNormal, ELBO*)", "mixture", selected, args, t_start, fit_row)
 
 
 ROW_RUNNERS = {

@@ -34,8 +34,8 @@ def log_target(x):
     return logsumexp(jnp.log(W) - 0.5 * maha - 0.5 * jnp.linalg.slogdet(2 * jnp.pi * COV)[1])
 
 
-def fit(K, init, steps=300):
-    opt = mixture_blr(0.3, K, num_samples=8)
+def fit(init, steps=300):
+    opt = mixture_blr(num_samples=8)  # the default step size; as many components as rows of init
     state = opt.init(jnp.asarray(init, jnp.float32))
     loss = lambda x: -log_target(x)  # noqa: E731
     run = jax.jit(lambda s, key: jax.lax.scan(lambda s, k: opt.step(k, s, loss), s, jax.random.split(key, steps)))
@@ -56,13 +56,13 @@ def main():
         w = pis[np.linalg.norm(np.asarray(state.means) - m, axis=1) < 1e-2].sum()
         print(f"  x = ({m[0]: .5f}, {m[1]: .5f})   f(x) = {float(himmelblau(jnp.asarray(m))):.2e}   total weight {w:.3f}")
 
-    opt2, st2, kl2, se2 = fit(2, [[-1.0, 0.0], [1.0, 0.0]])
+    opt2, st2, kl2, se2 = fit([[-1.0, 0.0], [1.0, 0.0]])
     print("\nBimodal target 0.3 N((-3, 0), C1) + 0.7 N((3, 1), C2):")
     for c in np.argsort(np.asarray(st2.means[:, 0])):
         print(f"  component mean ({float(st2.means[c, 0]): .4f}, {float(st2.means[c, 1]): .4f})"
               f"   weight {float(weights(st2)[c]):.4f}")
     print(f"  KL(q || p), 2 components: {kl2:.5f} +- {se2:.5f}")
-    singles = [fit(1, [start]) for start in ([-1.0, 0.0], [1.0, 0.0])]
+    singles = [fit([start]) for start in ([-1.0, 0.0], [1.0, 0.0])]
     best = min(singles, key=lambda s: s[2])
     print(f"  KL(q || p), best single Gaussian: {best[2]:.5f} +- {best[3]:.5f}  (-log 0.7 = {-np.log(0.7):.5f})")
 

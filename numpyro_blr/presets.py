@@ -282,19 +282,46 @@ def rmsprop_blr(lr, decay=0.9, eps=1e-8) -> Algorithm:
 # families.SignBernoulli x estimators.relaxation x rules.blr.natural_update (bayesbinn.bayesbinn_update).
 
 
-def mixture_blr(lr, num_components, *, weight_lr=None, covariance="full", hessian="autodiff", num_samples=1,
-                precision_init=1.0, improved=True) -> Algorithm:
-    r"""The (improved) BLR for a mixture of ``num_components`` Gaussians (Lin, Khan & Schmidt 2019;
-    :mod:`numpyro_blr.mixture`): ``num_samples`` draws per component, ``hessian`` ``'autodiff'`` or ``'price'``,
-    step sizes ``lr`` (components) and ``weight_lr`` (weights; default ``lr``), numbers or schedules;
-    ``covariance`` ``'full'`` or ``'diagonal'``; :math:`S_c = s I` initially (``precision_init``); ``improved``
-    the positivity rule (``False``: plain). ``StepInfo.loss`` is :math:`\mathbb E_q[\ell + \log q]`. A non-finite step
-    is skipped, returns to the best iterate and halves both step sizes; after the loop,
-    ``numpyro_blr.mixture.check(state)`` warns about skipped steps, a diverged run or a loss still falling."""
-    rule = MixtureRule(_lr(lr), _lr(lr if weight_lr is None else weight_lr), positivity_rule(improved))
-    estimator = mixture_estimators.reparam(hessian, _count(num_samples, "num_samples"))
-    return mixture_algorithm(estimator, rule, _count(num_components, "num_components"), covariance,
-                             check_positive(precision_init, "precision_init"))
+def mixture_blr(lr=None, num_components=None, *, weight_lr=None, covariance="full", hessian="autodiff", num_samples=1,
+                precision_init=1.0, improved=True, backtrack=True) -> Algorithm:
+    r"""The (improved) BLR for a mixture of Gaussians (Lin, Khan & Schmidt 2019; :mod:`numpyro_blr.mixture`):
+    ``num_samples`` draws per component, ``hessian`` ``'autodiff'`` or ``'price'``; ``covariance`` ``'full'`` or
+    ``'diagonal'``; :math:`S_c = s I` initially (``precision_init``); ``improved`` the positivity rule (``False``:
+    plain). ``num_components`` :math:`K` defaults to the number of rows of the means given to ``init`` (given, it is
+    checked against them). ``StepInfo.loss`` is :math:`\mathbb E_q[\ell + \log q]`.
+
+    ``lr`` (components) and ``weight_lr`` (weights; default ``lr``): numbers > 0, schedules ``count -> rate``, or an
+    :class:`~numpyro_blr.rules.schedules.adaptive_decay`. Default (``lr=None``): ``nb.BLR()``'s adaptive clock
+    without averaging, :math:`\rho_t = \rho_0/(1 + c_t/\tau)` with :math:`\rho_0 = 1/2`, :math:`\tau = 10`
+    (``hessian='price'`` with full covariances: :math:`\rho_0 = \min(1/2, 1/d)`, :math:`\tau = 100`, as
+    ``nb.BLR``'s :meth:`~numpyro_blr.BLR.default_lr`), where the clock :math:`c_t` advances by :math:`\min(1, 2f_t)`,
+    :math:`f_t` the size-weighted fraction of sign changes between successive whitened steps (Kesten 1958; Delyon &
+    Juditsky 1993), each component's block weighted by :math:`\pi_c` (the joint family's Fisher metric): it stands
+    still while the fit travels and counts about one per step once the steps are Monte Carlo noise, so the rate then
+    decays like Robbins & Monro's :math:`\rho_0\tau/t` (:func:`numpyro_blr.rules.schedules.clock_advance`).
+
+    ``backtrack`` (default on, as ``nb.BLR()``'s): each component's mean step is shortened by factors of 4 (down to
+    none) when it raises that component's sample of :math:`\mathbb E_c[\ell]` at the step's draws (common random
+    numbers, control variate included; damped Newton, Nocedal & Wright 2006, Sec. 3.1;
+    :func:`numpyro_blr.estimators.mixture.mean_backtracking`): one loss evaluation per component, draw and try.
+
+    A component whose own draws give a non-finite loss, gradient or Hessian (or whose update is not finite) is held
+    (returned to its best iterate, its step sizes halved) while the others step; a step where none can step is
+    skipped, returns to the best iterate and halves every step size. After the loop, ``numpyro_blr.mixture.check(state)`` warns about skipped steps, held
+    components, a diverged run or a loss still falling."""
+    if lr is not None and not callable(lr):
+        lr = check_positive(lr, "lr")
+    if weight_lr is not None and not callable(weight_lr):
+        weight_lr = check_positive(weight_lr, "weight_lr")
+    if hessian not in mixture_estimators.HESSIANS:
+        raise ValueError(f"hessian must be one of {mixture_estimators.HESSIANS}, got {hessian!r}.")
+    rule = MixtureRule(lr, lr if weight_lr is None else weight_lr, positivity_rule(improved), hessian == "price")
+    num_samples = _count(num_samples, "num_samples")
+    estimator = mixture_estimators.reparam(hessian, num_samples)
+    line_search = mixture_estimators.mean_backtracking(num_samples) if backtrack else None
+    num_components = None if num_components is None else _count(num_components, "num_components")
+    precision_init = check_positive(precision_init, "precision_init")
+    return mixture_algorithm(estimator, rule, num_components, covariance, precision_init, line_search)
 
 
 def multimodal_optimization(lr, num_components, *, weight_lr=None, covariance="full", precision_init=1.0,

@@ -65,6 +65,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from numpyro_blr.layout import DIAGONAL, FULL, apply_transform
+from numpyro_blr.rules.schedules import clock_advance
 
 DIVERGENCE_NATS = 10.0
 DIVERGENCE_SDS = 6.0
@@ -184,13 +185,7 @@ def next_trace(trace, i, ok, loss, lr, direction, whitened_grad, skipped, dampin
     v = v.astype(trace.direction.dtype)
     clock, halvings = trace.clock, trace.halvings
     if skipped is not None:
-        # the fraction of the products of successive coordinates that are negative, weighted by
-        # their size: one coordinate still travelling (a scale whose precision is far too high)
-        # outweighs many that are noise, and a small bias in noisy coordinates only slows the clock
-        products = v * trace.direction
-        total = jnp.sum(jnp.abs(products))
-        changed = jnp.where(total > 0, jnp.sum(jnp.maximum(-products, 0.0)) / jnp.where(total > 0, total, 1.0), 1.0)
-        advance = jnp.where(i > 0, jnp.minimum(1.0, 2.0 * changed), 0.0)
+        advance = clock_advance(v, trace.direction, i)  # Kesten's rule
         clock = jnp.where(ok, clock + advance, skipped(clock))
         halvings = halvings + jnp.where(ok, 0, 1).astype(halvings.dtype)
     first = jnp.isnan(trace.loss_avg)

@@ -97,6 +97,19 @@ def harmonic_decay(init_value=0.5, halving_steps=10):
     return schedule
 
 
+def clock_advance(direction, previous, count):
+    r"""Kesten's rule (Kesten 1958; multivariate: Delyon & Juditsky 1993), the advance of
+    :class:`adaptive_decay`'s clock: :math:`\min(1, 2f)`, :math:`f = \sum_j (-p_j)_+ / \sum_j |p_j|` the
+    size-weighted fraction of the products :math:`p_j` of successive whitened steps' coordinates that are
+    negative (0 on the first step, ``count`` 0): one coordinate still travelling (a scale whose precision is
+    far too high) outweighs many that are noise, and a small bias in noisy coordinates only slows the clock.
+    About 0 while the fit travels, about 1 per step once its steps are Monte Carlo noise around the optimum."""
+    products = direction * previous
+    total = jnp.sum(jnp.abs(products))
+    changed = jnp.where(total > 0, jnp.sum(jnp.maximum(-products, 0.0)) / jnp.where(total > 0, total, 1.0), 1.0)
+    return jnp.where(count > 0, jnp.minimum(1.0, 2.0 * changed), 0.0)
+
+
 class adaptive_decay:  # noqa: N801 - used like a schedule function
     r"""The default step size: a Robbins-Monro decay on a clock that only counts noise-dominated steps,
     with iterate averaging (Polyak & Juditsky 1992).
