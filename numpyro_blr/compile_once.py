@@ -380,7 +380,7 @@ def _model_site_order(guide):
 
 # -- the disk cache of compiled programs ------------------------------------------------------------
 _DISK_FORMAT = "numpyro_blr-program-1"
-_DISK = {"dir": None, "hits": 0, "misses": 0, "writes": 0}
+_DISK = {"dir": None, "hits": 0, "misses": 0, "writes": 0, "reasons": collections.Counter()}
 _DISK_LOCK = threading.Lock()
 #: JAX settings that change a program's lowering without changing its jaxpr (the key includes them)
 _DISK_CONFIG = ("jax_enable_x64", "jax_default_matmul_precision", "jax_default_prng_impl", "jax_threefry_partitionable",
@@ -642,9 +642,11 @@ def _disk_load(entry):
     return serialize_executable.deserialize_and_load(entry["exe"], entry["in_tree"], entry["out_tree"])
 
 
-def _disk_count(what):
+def _disk_count(what, reason=None):
     with _DISK_LOCK:
         _DISK[what] += 1
+        if reason is not None:
+            _DISK["reasons"][reason] += 1
 
 
 def _digest(*parts):
@@ -988,8 +990,9 @@ class _Program:
             self.setup.pending = None
             self._restore_snapshot(snapshot)
             return jitted, None, None
-        entry = _disk_read(key)
+        entry, reason = _disk_read(key), "not found"
         if entry is not None:
+            reason = "another output tree or setup order"
             try:
                 out = entry["out_tree"]
                 if name == "init":
@@ -1001,9 +1004,9 @@ class _Program:
                     compiled = _disk_load(entry)
                     _disk_count("hits")
                     return compiled, base, snapshot
-            except Exception:  # noqa: BLE001 - anything unexpected: compile instead
-                pass
-        _disk_count("misses")
+            except Exception as err:  # noqa: BLE001 - anything unexpected: compile instead
+                reason = f"load failed ({type(err).__name__})"
+        _disk_count("misses", f"{name}: {reason}")
         if name == "init":  # the key's trace is this program: lower it
             try:
                 lowered = traced.lower()
@@ -1040,9 +1043,9 @@ class _Program:
             key = _digest(base, name, sig, _arrays_text(self.svi))
         except Exception:  # noqa: BLE001
             return jitted
-        fn = None
-        entry = _disk_read(key)
+        fn, entry, reason = None, _disk_read(key), "not found"
         if entry is not None:
+            reason = "another tree"
             try:
                 out = entry["out_tree"]
                 ok = entry["in_tree"] == jax.tree.structure((args, {}))
@@ -1051,10 +1054,10 @@ class _Program:
                 if ok:
                     fn = _guarded(_disk_load(entry), jitted)
                     _disk_count("hits")
-            except Exception:  # noqa: BLE001
-                fn = None
+            except Exception as err:  # noqa: BLE001
+                fn, reason = None, f"load failed ({type(err).__name__})"
         if fn is None:
-            _disk_count("misses")
+            _disk_count("misses", f"{name}: {reason}")
             lowered = jitted.trace(*args).lower()
             fn = lowered.compile()
             _disk_write(key, fn, lowered, ())
@@ -1140,12 +1143,14 @@ _CACHE_LOCK = threading.Lock()
 def cache_info():
     """How many compiled fits :func:`fit` holds (at most ``32``, least recently used dropped first), and, since
     the process started, how many of its programs were read from disk (``disk_hits``), looked up there and not
-    found or not usable (``disk_misses``: compiled instead) and written there (``disk_writes``); see
+    found or not usable (``disk_misses``: compiled instead; ``disk_miss_reasons`` counts them by program and
+    reason) and written there (``disk_writes``); see
     :func:`enable_compilation_cache`."""
     with _DISK_LOCK:
         disk = {k: _DISK[k] for k in ("hits", "misses", "writes")}
+        reasons = dict(_DISK["reasons"])
     return {"entries": len(_CACHE), "max_entries": _CACHE_SIZE, "disk_hits": disk["hits"], "disk_misses": disk["misses"],
-            "disk_writes": disk["writes"]}
+            "disk_writes": disk["writes"], "disk_miss_reasons": reasons}
 
 
 def cache_clear():

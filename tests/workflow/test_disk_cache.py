@@ -51,6 +51,8 @@ SCRIPT = textwrap.dedent(
         res = nb.fit(model, guide, x, y=y, num_steps=30, progress_bar=bar)
         after = compile_once.cache_info()
         out = {k: after["disk_" + k] - before["disk_" + k] for k in ("hits", "misses", "writes")}
+        out["reasons"] = {k: v - before["disk_miss_reasons"].get(k, 0) for k, v in after["disk_miss_reasons"].items()
+                          if v > before["disk_miss_reasons"].get(k, 0)}
         out.update(losses=digest(res.losses), params=digest(res.params), loss=float(res.losses[-1]),
                    median=digest(guide.median(res.params)),
                    samples=digest(guide.sample_posterior(jax.random.PRNGKey(1), res.params, sample_shape=(4,))),
@@ -108,7 +110,7 @@ def runs(tmp_path_factory):
 def test_a_second_process_reads_the_programs_and_gives_bitwise_the_same_fit(runs):
     for a, b in zip(runs["first"], runs["second"]):
         assert a["hits"] == 0 and a["misses"] >= 1 and a["writes"] == a["misses"]
-        assert b["hits"] == a["writes"] and b["misses"] == 0 and b["writes"] == 0
+        assert b["hits"] == a["writes"] and b["misses"] == 0 and b["writes"] == 0, (a["reasons"], b["reasons"])
         for k in RESULT_KEYS:
             assert a[k] == b[k], k
 
@@ -123,6 +125,7 @@ def test_guide_is_set_up_after_a_disk_hit(runs):
 def test_a_changed_model_compiles_afresh_and_gives_its_own_result(runs):
     for changed, first, reference in zip(runs["changed"], runs["first"], runs["reference"]):
         assert changed["hits"] == 0 and changed["misses"] >= 1
+        assert all("not found" in r for r in changed["reasons"]), changed["reasons"]  # another key, not a bad entry
         assert changed["losses"] != first["losses"] and changed["params"] != first["params"]
         for k in RESULT_KEYS:  # the same as without the disk cache
             assert changed[k] == reference[k], k
@@ -135,6 +138,6 @@ def test_other_data_shapes_compile_afresh(runs):
 
 def test_a_damaged_entry_is_compiled_again_silently(runs):
     for broken, first in zip(runs["broken"], runs["first"]):
-        assert broken["hits"] == 0 and broken["misses"] >= 1
+        assert broken["hits"] == 0 and broken["misses"] >= 1 and broken["reasons"], broken["reasons"]
         for k in RESULT_KEYS:
             assert broken[k] == first[k], k
