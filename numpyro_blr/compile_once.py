@@ -379,7 +379,7 @@ def _model_site_order(guide):
 
 
 # -- the disk cache of compiled programs ------------------------------------------------------------
-_DISK_FORMAT = "numpyro_blr-program-1"
+_DISK_FORMAT = "numpyro_blr-program-2"
 _DISK = {"dir": None, "hits": 0, "misses": 0, "writes": 0, "reasons": collections.Counter()}
 _DISK_LOCK = threading.Lock()
 #: JAX settings that change a program's lowering without changing its jaxpr (the key includes them)
@@ -614,7 +614,8 @@ def _disk_write(key, compiled, lowered, signature):
             return False
         blob, in_tree, out_tree = serialize_executable.serialize(compiled)
         payload = pickle.dumps({"key": key, "exe": blob, "in_tree": in_tree, "out_tree": out_tree,
-                                "signature": signature, "custom_calls": calls}, protocol=pickle.HIGHEST_PROTOCOL)
+                                "signature": signature, "custom_calls": calls, "devices": _program_devices(compiled)},
+                               protocol=pickle.HIGHEST_PROTOCOL)
         pickle.loads(payload)  # the trees must load back (a pytree node registered under a local name may not)
         raw = pickle.dumps(({"format": _DISK_FORMAT, "sha256": hashlib.sha256(payload).hexdigest()}, payload),
                            protocol=pickle.HIGHEST_PROTOCOL)
@@ -639,7 +640,20 @@ def _disk_load(entry):
         from jax._src.lax.linalg import initialize_lapack
 
         initialize_lapack()
-    return serialize_executable.deserialize_and_load(entry["exe"], entry["in_tree"], entry["out_tree"])
+    by_id = {d.id: d for d in jax.devices()}
+    devices = [by_id[i] for i in entry["devices"]]  # KeyError where the device is not here: compiled instead
+    return serialize_executable.deserialize_and_load(entry["exe"], entry["in_tree"], entry["out_tree"],
+                                                     execution_devices=devices)
+
+
+def _program_devices(compiled):
+    """The ids of the devices a compiled program runs on (its inputs' placement; the default device where it has
+    no sharded input). A loaded program must be given them: by default it would run on every local device, and a
+    one-device program then fails on a machine with several (``--xla_force_host_platform_device_count``, GPUs)."""
+    ids = set()
+    for sharding in jax.tree.leaves(compiled.input_shardings):
+        ids.update(d.id for d in sharding.device_set)
+    return sorted(ids) or [jax.devices()[0].id]
 
 
 def _disk_count(what, reason=None):
@@ -925,10 +939,12 @@ class _Program:
                 fn, base, snapshot = self._start_program(name, rng_key, data)
             try:
                 *result, leaked = fn(rng_key, data)
-            except Exception:
+            except Exception as err:
                 if snapshot is None:
                     raise
                 # a program read from disk that does not run here: the guide as before the key's trace, then today's path
+                with _DISK_LOCK:
+                    _DISK["reasons"][f"{name}: read but failed to run ({type(err).__name__})"] += 1
                 self.setup.pending, self._stale = None, None
                 self._restore_snapshot(snapshot)
                 jitted = self._run if name == "run" else self._init

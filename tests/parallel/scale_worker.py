@@ -12,9 +12,11 @@ import os
 import sys
 import traceback
 
-if "--process" not in sys.argv:
-    os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+if __name__ == "__main__":  # run as the worker; imported by test_scale.py (for its models) it leaves the env alone:
+    # the pytest process's later subprocesses would inherit four devices (tests/workflow/test_disk_cache.py did)
+    if "--process" not in sys.argv:
+        os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import jax  # noqa: E402

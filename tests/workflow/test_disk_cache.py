@@ -78,9 +78,11 @@ SCRIPT = textwrap.dedent(
 )
 
 
-def run(cache, plan, seed):
+def run(cache, plan, seed, devices=None):
     env = dict(os.environ, PYTHONHASHSEED=str(seed), JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"))
     env.pop("JAX_COMPILATION_CACHE_DIR", None)
+    if devices is not None:
+        env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={devices}").strip()
     out = subprocess.run([sys.executable, "-c", SCRIPT, str(cache), json.dumps(plan)], env=env, capture_output=True,
                          text=True)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -103,8 +105,12 @@ def runs(tmp_path_factory):
     for f in (damaged / "numpyro_blr").iterdir():
         f.write_bytes(f.read_bytes()[:-100])
     broken = run(damaged, [(5.0, 20, False)], seed=4)[0]
+    # four host devices: a loaded one-device program runs on the device it was compiled for (by default JAX
+    # loads it for every local device, and the call failed: "Expected args ... to have 4 shards")
+    four_first = run(root / "four", [(5.0, 20, False)], seed=5, devices=4)[0]
+    four_second = run(root / "four", [(5.0, 20, False)], seed=6, devices=4)[0]
     return {"first": first, "second": second, "changed": changed, "shapes": shapes, "reference": reference,
-            "broken": broken}
+            "broken": broken, "four_first": four_first, "four_second": four_second}
 
 
 def test_a_second_process_reads_the_programs_and_gives_bitwise_the_same_fit(runs):
@@ -113,6 +119,14 @@ def test_a_second_process_reads_the_programs_and_gives_bitwise_the_same_fit(runs
         assert b["hits"] == a["writes"] and b["misses"] == 0 and b["writes"] == 0, (a["reasons"], b["reasons"])
         for k in RESULT_KEYS:
             assert a[k] == b[k], k
+
+
+def test_several_devices_read_the_programs_too(runs):
+    for a, b, one in zip(runs["four_first"], runs["four_second"], runs["first"]):
+        assert a["writes"] == a["misses"] >= 1
+        assert b["hits"] == a["writes"] and b["misses"] == 0 and not b["reasons"], b["reasons"]
+        for k in RESULT_KEYS:
+            assert a[k] == b[k] == one[k], k
 
 
 def test_guide_is_set_up_after_a_disk_hit(runs):
