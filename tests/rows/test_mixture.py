@@ -228,6 +228,7 @@ def _fit_default(loss_fn, init, steps, seed=0, **kw):
     return opt, state, info
 
 
+@pytest.mark.slow  # 300 steps of 8 draws per component: ~3 s cold
 def test_default_converges_on_bimodal_target():
     """``mixture_blr(num_samples=8)`` with no lr recovers the bimodal target, silently. (With one draw per component
     some seeds put both components on one mode, whatever the step size: 0.3, 0.5 and the default alike.)"""
