@@ -324,6 +324,51 @@ def test_hash_normal_is_standard_normal_and_independent():
     assert stats.chisquare(counts).pvalue > 1e-4
 
 
+def test_hash_streams_of_keys_that_differ_in_low_bits_are_independent():
+    """The counter hash's keys pick an arithmetic progression of counters (odd stride): key words that
+    differ only in their low bits (which XOR-ing the counter with the key would map to the same set of
+    counters, permuted) still give uncorrelated draws, element by element and in distribution."""
+    from scipy import stats
+
+    from numpyro_blr.tree import _box_muller_pairs, hash_uniform_at
+
+    n = 200_000
+    j = jnp.arange(n, dtype=jnp.uint32)
+    k = np.array([0x9E3779B9, 0x7F4A7C15, 0x94D049BB, 0x2545F491], np.uint32)
+    for flip in (1, 2, 1 << 10):
+        k2 = k ^ np.uint32(flip)
+        (r1, b1), (r2, b2) = _box_muller_pairs(jnp.asarray(k), j), _box_muller_pairs(jnp.asarray(k2), j)
+        r1, r2 = np.asarray(r1, np.float64), np.asarray(r2, np.float64)
+        assert abs(np.corrcoef(r1, r2)[0, 1]) * np.sqrt(n) < 5
+        phi1, phi2 = (np.asarray(b, np.float64) / 2**32 for b in (b1, b2))
+        assert abs(np.corrcoef(phi1, phi2)[0, 1]) * np.sqrt(n) < 5
+        # not a permutation of the same values: the sorted draws differ almost everywhere
+        assert np.mean(np.sort(r1) == np.sort(r2)) < 0.01
+        u1 = np.asarray(hash_uniform_at(jnp.asarray(k[:2]), 0, n), np.float64)
+        u2 = np.asarray(hash_uniform_at(jnp.asarray(k2[:2]), 0, n), np.float64)
+        assert abs(np.corrcoef(u1, u2)[0, 1]) * np.sqrt(n) < 5
+        assert np.mean(np.sort(u1) == np.sort(u2)) < 0.01
+
+
+def test_hash_uniform_is_uniform_and_independent():
+    from scipy import stats
+
+    from numpyro_blr.tree import hash_uniform
+
+    n = 400_000
+    key = jax.random.key(11)
+    u = np.asarray(jax.jit(lambda k: hash_uniform(k, n))(key), np.float64)
+    assert u.shape == (n,) and np.all((u > 0) & (u < 1))
+    assert stats.kstest(u, "uniform").pvalue > 1e-4
+    u2 = np.asarray(hash_uniform(jax.random.fold_in(key, 1), n), np.float64)
+    for a, b in [(u[:-1], u[1:]), (u[:-2], u[2:]), (u, u2)]:
+        assert abs(np.corrcoef(a, b)[0, 1]) * np.sqrt(len(a)) < 5
+    # 2-d uniformity of neighbours: chi-square over a 10 x 10 grid
+    cells = np.minimum((u * 10).astype(int), 9)
+    counts = np.bincount(cells[:-1:2] * 10 + cells[1::2], minlength=100)
+    assert stats.chisquare(counts).pvalue > 1e-4
+
+
 def test_hash_normal_small_draws_across_keys_and_dtypes():
     from scipy import stats
 
