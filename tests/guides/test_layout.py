@@ -64,3 +64,26 @@ def test_scaling_tangent_is_the_derivative_of_the_scaled_raw_parameter(kind, con
         np.testing.assert_allclose(got, expected, rtol=1e-10, atol=1e-12)
         h = 1e-6
         np.testing.assert_allclose((t(x + h * got) - t(x - h * got)) / (2 * h), t(x), rtol=1e-6, atol=1e-12)
+
+
+@pytest.mark.parametrize("constraint,shape", [
+    (constraints.softplus_positive, (7,)), (constraints.positive, (3, 4)),
+    (constraints.scaled_unit_lower_cholesky, (1,)), (constraints.scaled_unit_lower_cholesky, (55,)),
+    (constraints.scaled_unit_lower_cholesky, (2, 10)),
+])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_report_reads_scales_in_numpy_equal_to_the_transform(constraint, shape, dtype):
+    """apply_transform on concrete values (the end-of-run report) uses NumPy for the common constraints (no
+    compilation per process): the same values as the guide's transform, to rounding; the inverse and other
+    constraints still go through JAX."""
+    from numpyro_blr.layout import _numpy_forward, apply_transform
+
+    x = (np.random.default_rng(0).normal(size=shape) * 3).astype(dtype)
+    block = GaussianBlock(FULL, "loc", "scale", constraint)
+    with jax.enable_x64(dtype == np.float64):
+        ref = np.asarray(block.transform(jnp.asarray(x)))
+        y = apply_transform(block, x)
+        assert isinstance(y, np.ndarray) and y.dtype == dtype and y.shape == ref.shape
+        np.testing.assert_allclose(y, ref, rtol=4 * np.finfo(dtype).eps, atol=0)
+        np.testing.assert_allclose(np.asarray(apply_transform(block, y, inverse=True)), x, rtol=1e-4 if dtype == np.float32 else 1e-10)
+    assert _numpy_forward(constraints.interval(0.0, 1.0), x) is None
