@@ -21,7 +21,7 @@ demo: $(STAMP)
 
 # two pytest-xdist workers, each test file kept on one worker (module fixtures computed once);
 # the suite is compile-bound, so two cores run it in ~0.7 of the time of one process
-XDIST := -n 2 --dist loadfile
+XDIST := -n 2 --dist loadfile --no-loadscope-reorder
 
 test: $(STAMP)
 	$(PY) -m pytest -q $(XDIST)

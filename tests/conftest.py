@@ -118,3 +118,52 @@ def breast_cancer_nuts(breast_cancer):
     mcmc = MCMC(NUTS(logistic_model), num_warmup=500, num_samples=1500, num_chains=2, chain_method="sequential", progress_bar=False)
     mcmc.run(jax.random.PRNGKey(2), X, y)
     return mcmc
+
+
+# ----------------------------------------------------------------------------- scheduling the files
+# `make test` runs two pytest-xdist workers with `--dist loadfile --no-loadscope-reorder`: each test file runs
+# on one worker, and the files are handed out in the order collected. The suite's cost is concentrated in a few
+# files (four-device subprocesses, fresh-process caches, references), and xdist's own order (most tests first)
+# put those last, where one of them could run alone on one core while the other core had finished. Ordering
+# the files by their recorded cost, longest first (tests/data/file_costs.json: wall seconds per file, setup and teardown included,
+# from `pytest --record-file-costs=tests/data/file_costs.json`), is the longest-processing-time-first rule;
+# unknown files count as the median. Only the order changes, never which tests run.
+_COSTS_FILE = pathlib.Path(__file__).resolve().parent / "data" / "file_costs.json"
+
+
+def pytest_addoption(parser):
+    parser.addoption("--record-file-costs", default=None, metavar="PATH",
+                     help="write each test file's summed setup+call+teardown seconds to PATH (JSON)")
+
+
+def pytest_collection_modifyitems(config, items):
+    try:
+        import json
+
+        costs = json.loads(_COSTS_FILE.read_text())
+    except (OSError, ValueError):
+        return
+    if not costs:
+        return
+    median = float(np.median(list(costs.values())))
+    first_seen = {}
+    for i, item in enumerate(items):
+        first_seen.setdefault(item.nodeid.split("::")[0], i)
+    items.sort(key=lambda it: (-float(costs.get(it.nodeid.split("::")[0], median)), first_seen[it.nodeid.split("::")[0]]))
+
+
+_FILE_SECONDS = {}
+
+
+def pytest_runtest_logreport(report):
+    path = report.nodeid.split("::")[0]
+    _FILE_SECONDS[path] = _FILE_SECONDS.get(path, 0.0) + float(getattr(report, "duration", 0.0) or 0.0)
+
+
+def pytest_sessionfinish(session):
+    path = session.config.getoption("--record-file-costs", default=None)
+    if not path or hasattr(session.config, "workerinput"):  # the controller writes (xdist forwards the reports)
+        return
+    import json
+
+    pathlib.Path(path).write_text(json.dumps({k: round(v, 2) for k, v in sorted(_FILE_SECONDS.items())}, indent=0) + "\n")
