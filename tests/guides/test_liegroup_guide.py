@@ -110,3 +110,119 @@ def test_positive_sites_and_bad_arguments():
         nb.LieGroupBLR(backtrack="yes")
     with pytest.raises(ValueError, match="joint_mean"):
         nb.LieGroupBLR(joint_mean=1)
+
+
+def _scales_model(X, y=None):
+    """NumPyro's "variationally inferred parameterization" model in small (bench/robustness_cases.py's
+    hierarchical_scales_logistic): per-feature log-scales around a global one, beta non-centred."""
+    from numpyro import handlers
+    from numpyro.infer.reparam import LocScaleReparam
+
+    d = X.shape[1]
+    log_tau_zero = numpyro.sample("log_tau_zero", dist.Normal(0.0, 10.0))
+    log_tau_i = numpyro.sample("log_tau_i", dist.Normal(log_tau_zero, np.ones(d)))
+    with handlers.reparam(config={"beta": LocScaleReparam(centered=0.0)}):
+        beta = numpyro.sample("beta", dist.Normal(np.zeros(d), jax.numpy.exp(log_tau_i)))
+    numpyro.sample("obs", dist.Bernoulli(logits=X @ beta), obs=y)
+
+
+def test_joint_step_reads_the_curvature_at_fresh_draws():
+    """The default joint mean step averages the shift gradient and Hessian over its step's draw and
+    ``curvature_draws`` (8) more (issue 25: one draw's curvature of a log-scale is heavy-tailed, and on
+    hierarchical_scales_logistic the exponential map turned it into a scale growing by e per step until the fit
+    diverged). The extra draws are read off this step's loss with the scale shrunk by e^-60, so that the draw sits at
+    the point: they are the potential's gradient and Hessian at b + A eps_j, eps_j ~ N(0, I)."""
+    from jax.flatten_util import ravel_pytree
+    from numpyro.infer.svi import _make_loss_fn
+    from numpyro.infer.util import potential_energy
+
+    from numpyro_blr.liegroup_guide import CURVATURE_DRAWS, _shift_blocks, extra_draws
+
+    rng = np.random.default_rng(0)
+    X = rng.standard_normal((20, 2))
+    y = (X[:, 0] - X[:, 1] + rng.standard_normal(20) > 0).astype(float)
+    guide = nb.LieGroupGuide(_scales_model)
+    optim = nb.LieGroupBLR()
+    assert optim.curvature_draws == CURVATURE_DRAWS == 8
+    svi = SVI(_scales_model, guide, optim, Trace_ELBO())
+    state = svi.init(jax.random.PRNGKey(0), X, y)
+    params = state.optim_state[1].params  # unconstrained: log-scales
+    params = {**params, **{n: v + 0.5 for n, v in params.items() if n.endswith("_lie_scale")}}  # scales ~ 0.16
+    layout = optim.layout(params)
+    fn = _make_loss_fn(Trace_ELBO(), jax.random.PRNGKey(1), svi.constrain_fn, _scales_model, guide, (X, y), {}, {})
+    # full float32 matrix products: a GPU's default (TF32) puts both sides 1e-3 apart, not the estimator
+    with jax.default_matmul_precision("highest"):
+        hess, grad, offsets, finite = jax.jit(lambda p: extra_draws(fn, p, layout, jax.random.PRNGKey(2), 3))(params)
+    blocks = _shift_blocks(layout)
+    assert [b.site for b in blocks] and bool(np.all(finite))
+    loc = {b.site: params[b.loc_param] for b in blocks}
+    flat, unravel = ravel_pytree(loc)
+    order = np.concatenate([np.arange(np.size(loc[b.site])) + sum(np.size(loc[c.site]) for c in blocks
+                            if c.site < b.site) for b in blocks])  # ravel_pytree sorts the sites by name
+    scale = np.concatenate([np.broadcast_to(np.exp(params[b.scale_param]), np.shape(loc[b.site])).reshape(-1)
+                            for b in blocks])
+
+    def potential(x):
+        return potential_energy(_scales_model, (X,), {"y": y}, unravel(x))
+
+    points = np.empty((3, flat.shape[0]), np.asarray(flat).dtype)
+    points[:, order] = np.asarray(flat)[order] + np.asarray(offsets)  # offsets are in the blocks' order
+    with jax.default_matmul_precision("highest"):
+        g_ref, h_ref = jax.jit(jax.vmap(lambda x: (jax.grad(potential)(x), jax.hessian(potential)(x))))(points)
+    tol = dict(rtol=1e-5, atol=1e-5)  # float32 (the test suite's precision)
+    np.testing.assert_allclose(grad, np.asarray(g_ref)[:, order], **tol)
+    np.testing.assert_allclose(hess, np.asarray(h_ref)[:, order][:, :, order], **tol)
+    eps = np.asarray(offsets) / scale  # the draws are A eps with eps ~ N(0, I), fresh for every coordinate
+    assert eps.shape == (3, 5) and np.all(np.abs(eps) < 6) and len(np.unique(np.round(eps, 12))) == 15
+    with pytest.raises(ValueError, match="curvature_draws"):
+        nb.LieGroupBLR(curvature_draws=-1)
+    with pytest.raises(ValueError, match="curvature_draws"):
+        nb.LieGroupBLR(curvature_draws=True)
+
+
+@pytest.mark.slow  # two fits of the 63-number model: ~10-30 s
+def test_hierarchical_scales_do_not_diverge():
+    """hierarchical_scales_logistic (breast cancer, 63 numbers), 150 steps of the default: the loss stays bounded, no
+    step is skipped and no warning is raised. Without the extra draws (curvature_draws=0, the rule before) the
+    single-draw Stein estimate A^2 H_ii - 1 of log_tau_i's scale reached -1e3 (H_ii < 0 in a concave stretch of the
+    potential along a log-scale), the exponential map grew the scale by the clip's factor e per step (0.8 to 110 in
+    ten steps) and the fit diverged: 912 of 1,000 steps skipped."""
+    from sklearn.datasets import load_breast_cancer
+
+    X, y = load_breast_cancer(return_X_y=True)
+    X = (X - X.mean(0)) / X.std(0)
+    X = np.concatenate([np.ones((X.shape[0], 1)), X], axis=1)
+
+    def fit(optim):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            guide = nb.LieGroupGuide(_scales_model)
+            result = SVI(_scales_model, guide, optim, Trace_ELBO()).run(jax.random.PRNGKey(0), 150, X, y,
+                                                                         progress_bar=False)
+        return result, [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+
+    result, warned = fit(nb.LieGroupBLR())
+    losses = np.asarray(result.losses)
+    assert warned == [] and np.all(np.isfinite(losses)) and losses[50:].max() < 1e3, (warned, losses.max())
+    assert bool(result.state.optim_state[1].algorithm.draws_on)  # log_tau_i's sampled curvature went negative
+    old, warned_old = fit(nb.LieGroupBLR(curvature_draws=0))
+    assert np.nanmax(np.asarray(old.losses)) > 1e6 and warned_old, warned_old
+
+
+@pytest.mark.slow  # two short fits: ~3-6 s
+def test_convex_potential_keeps_the_one_draw_step():
+    """The extra draws switch on only after a sampled Hessian had a negative diagonal entry (one draw's scale
+    gradient A^2 H_ii - 1 is then unbounded below): on the uncentred regression with unknown noise, whose sampled
+    Hessians have a positive diagonal, the default's steps are bit for bit those of curvature_draws=0."""
+    x, y = _uncentred_regression(20)
+    out = []
+    for k in (None, 0):
+        guide = nb.LieGroupGuide(_model)
+        svi = SVI(_model, guide, nb.LieGroupBLR(curvature_draws=k), Trace_ELBO())
+        result = svi.run(jax.random.PRNGKey(0), 12, x, y, progress_bar=False)
+        out.append((result.params, np.asarray(result.losses), bool(result.state.optim_state[1].algorithm.draws_on)))
+    (p8, l8, on8), (p0, l0, on0) = out
+    assert not on8 and not on0
+    np.testing.assert_array_equal(l8, l0)
+    for n in p0:
+        np.testing.assert_array_equal(p8[n], p0[n])
