@@ -271,6 +271,57 @@ def _grad_and_loc_hessian(fn, params, names, forward_mode, scaled_blocks=()):
     return out, grads, jac, column
 
 
+def shifted_draw_params(params, layout, shifts, shrink=BASELINE_SHRINK):
+    r"""``params`` at which the loss, at its own fixed :math:`\varepsilon`, evaluates the model at another draw of
+    :math:`q`: each Gaussian block's mean moved by ``shifts[loc]`` :math:`= \sqrt{1 - c^2}\,L\varepsilon'` and its
+    scale shrunk to :math:`cL` (:math:`c` = ``shrink``), so that the loss's sample is
+    :math:`z' = m + \sqrt{1-c^2}\,L\varepsilon' + cL\varepsilon = m + L\eta`, :math:`\eta = \sqrt{1-c^2}\,\varepsilon'
+    + c\,\varepsilon \sim \mathcal N(0, I)`: an exact draw of :math:`q` for :math:`\varepsilon'` drawn independently
+    of :math:`\varepsilon` (their correlation is :math:`c`), with :math:`z' - m = L\eta`. The shrunk scale is that of
+    ``hessian="reparam"``'s baseline; the loss's :math:`\log q` term then reads the shrunk density, which does
+    not depend on the means (gradients and Hessians w.r.t. the means are those of :math:`\ell` at :math:`z'`)."""
+    out = dict(params)
+    for b in layout.blocks:
+        if b.kind in (DIAGONAL, FULL):
+            out[b.scale] = b.transform.inv(shrink * b.transform(params[b.scale]))
+            out[b.loc] = params[b.loc] + shifts[b.loc]
+    return out
+
+
+def extra_draws(fn, params, layout, key, num, forward_mode=False, shrink=BASELINE_SHRINK):
+    r"""``num`` more draws of the Gaussian blocks' exact loss statistics, for a curvature averaged over draws.
+
+    Draw :math:`k` evaluates the loss at :func:`shifted_draw_params` with :math:`\varepsilon'_k` from ``key``
+    (independent of the loss's own :math:`\varepsilon`), so its sample is an exact draw
+    :math:`z_k = m + L\eta_k` of :math:`q`: the gradient w.r.t. the means is :math:`\nabla\ell(z_k)` and their
+    Hessian :math:`\nabla^2\ell(z_k)` (the guide's :math:`\log q` does not depend on its means). Returns
+    ``(losses, grads, hess, offsets)``: ``losses`` the loss at each draw (``(num,)``; its :math:`\log q` is that of
+    the shrunk scale, a constant in the means), ``grads`` ``{loc: (num, ...)}``, ``hess`` ``(num, n, n)`` over the
+    locs of the Gaussian blocks raveled in sorted order (as :func:`estimate`'s), ``offsets``
+    ``{loc: (num, ...)}`` the known :math:`z_k - m` (for the control variate :math:`S(z_k - m)`)."""
+    gauss = [b for b in layout.blocks if b.kind in (DIAGONAL, FULL)]
+    names = [b.loc for b in gauss]
+    scales = {b.loc: b.transform(params[b.scale]) for b in gauss}
+    root = jnp.sqrt(1.0 - shrink**2)
+
+    sizes = [int(np.prod(jnp.shape(params[n]))) for n in names]
+    dtype = jnp.result_type(*[params[n] for n in names])
+
+    def one(k):
+        offsets, flat, start = {}, jax.random.normal(k, (sum(sizes),), dtype), 0  # one draw for all blocks
+        for b, size in zip(gauss, sizes):
+            m = params[b.loc]
+            e = flat[start : start + size].reshape(jnp.shape(m)).astype(jnp.result_type(m))
+            start += size
+            offsets[b.loc] = scales[b.loc] * e if b.kind == DIAGONAL else scales[b.loc] @ e
+        shifted = shifted_draw_params(params, layout, {n: (root * d).astype(d.dtype) for n, d in offsets.items()}, shrink)
+        (loss, _), grads, hess, _ = _grad_and_loc_hessian(fn, shifted, names, forward_mode)
+        # z_k - m = L(sqrt(1-c^2) eps'_k + c eps): its c eps part is this step's own offset, shrunk (estimate's)
+        return loss, {n: grads[n] for n in names}, hess, {n: (root * d).astype(d.dtype) for n, d in offsets.items()}
+
+    return jax.vmap(one)(jax.random.split(key, num))
+
+
 def loss_particles(fn):
     """How many particles the loss ``fn`` averages: the ``num_particles`` of the ELBO that NumPyro's
     ``SVI.update`` closes ``fn`` over (``numpyro.infer.svi._make_loss_fn``), looked up in its closure cells and
