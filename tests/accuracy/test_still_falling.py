@@ -76,16 +76,21 @@ def test_a_loss_still_falling_is_reported_with_the_sites_that_moved(run100):
     assert "mu_auto_loc (3" in problem and "init_state=svi_result.state" in problem
 
 
+def _hierarchical_case():
+    """bench/robustness_cases.py (the module) and its hierarchical_scales_logistic case."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                                    "bench"))
+    import robustness_cases as rc
+
+    return rc, rc.get("hierarchical_scales_logistic")
+
+
 def test_hierarchical_log_scales_underfit_is_reported():
     """NumPyro's variationally-inferred-parameterisation model (non-centred) on breast cancer, AutoNormal,
     float64, nb.BLR() with one curvature draw per step (``curvature_draws=1``, the default before it averaged
     draws on such sites) for 1,000 steps: the ELBO still rises by ~15 nats between steps 500 and 3,000; before,
     the run ended with no warning (bench/bench_robustness.py's silent failure)."""
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
-                                    "bench"))
-    import robustness_cases as rc
-
-    case = rc.get("hierarchical_scales_logistic")
+    _, case = _hierarchical_case()
     with jax.enable_x64(True):
         model = case.model
         X = jnp.asarray(case.args[0], jnp.float64)
@@ -104,11 +109,7 @@ def test_hierarchical_log_scales_default_reaches_the_best_gaussian(guide_cls, be
     (BLR._curvature_draws) and ends within 1 nat of the best Gaussian of the family (``best``: 3,000 steps of
     Trace_ELBO(num_particles=8)), with no warning. Before: ELBO -88.0 (AutoNormal) and -86.6
     (AutoMultivariateNormal), both reported as still falling."""
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
-                                    "bench"))
-    import robustness_cases as rc
-
-    case = rc.get("hierarchical_scales_logistic")
+    rc, case = _hierarchical_case()
     with jax.enable_x64(True):
         model = case.model
         X = jnp.asarray(case.args[0], jnp.float64)
