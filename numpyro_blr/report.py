@@ -573,8 +573,9 @@ def fit_report(result, optimizer=None, guide=None):
                 f"average over steps {start_cur}-{steps} {drop:.3g} +- {se:.2g} nats below that over steps "
                 f"{start_prev}-{start_cur - 1}{how}.{named} The step size decayed while the fit still drifted (single-sample "
                 "curvature noise, as on hierarchical log-scale sites, hides the drift from the step-size clock). "
-                "Average the curvature over several draws: loss=Trace_ELBO(num_particles=8) (on NumPyro's "
-                "hierarchical-scales logistic regression, 1,000 steps then reach the best Gaussian), or continue the "
+                "Average the curvature over several draws: nb.BLR(curvature_draws=8) (only once the single-draw "
+                "curvature turns negative) or loss=Trace_ELBO(num_particles=8) (on NumPyro's hierarchical-scales "
+                "logistic regression, 1,000 steps then reach the best Gaussian with either), or continue the "
                 "run (svi.run(key, steps, ..., init_state=svi_result.state)) until this stops, or pass "
                 "hessian='reparam' (a less noisy curvature estimate on such sites)."
             )

@@ -27,7 +27,7 @@ def test_extra_draws_are_exact_draws_of_q():
     """On l(z) = |z|^2/2 + const the gradient at a draw is the draw itself: the extra draws have the guide's mean and
     covariance, the exact Hessian I, and the offsets they return are z_k - m up to this step's own c (z - m)."""
     guide = AutoMultivariateNormal(quadratic_model)
-    opt = nb.BLR()
+    opt = nb.BLR(curvature_draws=8)
     svi = SVI(quadratic_model, guide, opt, Trace_ELBO())
     state = svi.init(jax.random.PRNGKey(0))
     params = dict(state.optim_state[1].params)
@@ -79,7 +79,7 @@ def test_negative_single_draw_curvature_switches_to_several_draws():
     rng = np.random.default_rng(0)
     xs = rng.normal(size=(30, 4)).astype(np.float32)
     ys = (1.5 * xs @ rng.normal(size=4) + rng.normal(size=30)).astype(np.float32)
-    state, result = _run(log_scale_model, AutoMultivariateNormal, (xs, ys))
+    state, result = _run(log_scale_model, AutoMultivariateNormal, (xs, ys), curvature_draws=8)
     assert bool(state.curvature_switched)
     assert float(max(jnp.max(v) for v in state.curvature_noise.values())) > 0.0
     assert np.all(np.isfinite(np.asarray(result.losses)))
@@ -90,10 +90,10 @@ def test_log_concave_model_never_switches():
     fit is that of one draw per step (``curvature_draws=1``)."""
     x = np.linspace(-1.0, 1.0, 12)
     y = np.array([0, 1, 1, 0, 2, 1, 3, 2, 4, 3, 6, 5], np.float32)
-    state, result = _run(poisson_regression, AutoNormal, (x, y))
+    state, result = _run(poisson_regression, AutoNormal, (x, y), curvature_draws=8)
     assert state.curvature_switched.shape == () and not bool(state.curvature_switched)
     assert float(max(jnp.max(v) for v in state.curvature_noise.values())) == 0.0
-    one_state, one = _run(poisson_regression, AutoNormal, (x, y), curvature_draws=1)
+    one_state, one = _run(poisson_regression, AutoNormal, (x, y))  # the default: one draw
     assert one_state.curvature_noise == {}
     for k in result.params:
         np.testing.assert_allclose(np.asarray(result.params[k]), np.asarray(one.params[k]), rtol=1e-6, atol=1e-7)
