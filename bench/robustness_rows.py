@@ -95,9 +95,9 @@ def expfam_rows(selected, args, t_start):
 
     def fit_row(case, args):
         key, ekey = jax.random.PRNGKey(0), jax.random.PRNGKey(1)
-        run = b.Run(case, nb.ExpFamilyGuide, nb.BLR(), args.steps, 10, key)
+        run = b.Run.as_svi_run(case, nb.ExpFamilyGuide, nb.BLR(), args.steps, 10, key)
         adam = b.Run(case, nb.ExpFamilyGuide, optax.adam(0.01), ADAM_STEPS, ADAM_STEPS // 10, key)
-        mf = b.Run(case, AutoNormal, nb.BLR(), args.steps, 10, key)
+        mf = b.Run.as_svi_run(case, AutoNormal, nb.BLR(), args.steps, 10, key)
         e = b.safe_elbo(case, run.guide, run.params[-1], ekey)
         e_adam = b.safe_elbo(case, adam.guide, adam.params[-1], ekey)
         e_mf = b.safe_elbo(case, mf.guide, mf.params[-1], ekey)
@@ -148,7 +148,7 @@ def _best_gaussian(case, guide_cls, args, diagonal):
     """(guide, params, best ELBO) of the Gaussian family: nb.BLR() after --steps and ELBO* unless --no-opt."""
     b = _bench()
     key, ekey = jax.random.PRNGKey(0), jax.random.PRNGKey(1)
-    ref = b.Run(case, guide_cls, nb.BLR(), args.steps, 10, key)
+    ref = b.Run.as_svi_run(case, guide_cls, nb.BLR(), args.steps, 10, key)
     cands = [b.safe_elbo(case, ref.guide, ref.params[-1], ekey)]
     if not args.no_opt:
         try:

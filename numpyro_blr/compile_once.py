@@ -1265,6 +1265,18 @@ def fit(model, guide, *args, optim=None, num_steps=1000, rng_key=None, loss=None
                 _CACHE.popitem(last=False)
     check_data(model, args, kwargs, shapes=False)  # NaN/inf in the data: on the concrete arrays, before the program
     state, losses, params = program.run(rng_key, (data, {}), init_state, progress_bar)
+    rerun_with = getattr(optim, "rerun_optimizer", None)
+    other = rerun_with(state.optim_state) if rerun_with is not None else None
+    if other is not None:  # nb.BLR()'s default: rerun with averaged curvature draws, as svi.run does
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            again = fit(model, guide, *args, optim=other, num_steps=num_steps, rng_key=rng_key, loss=loss,
+                        progress_bar=progress_bar, stable_update=stable_update, init_state=init_state,
+                        compile_effort=compile_effort, **kwargs)
+        if optim.keep_rerun((state.optim_state, losses), (again.state.optim_state, again.losses)):
+            for w in caught:
+                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, source=w.source)
+            return again
     warn = getattr(optim, "warn", None)
     if warn is not None:  # the end-of-run warnings svi.run's get_params gives
         warn(state.optim_state, stacklevel=3)

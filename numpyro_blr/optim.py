@@ -31,6 +31,7 @@ state (delta method). Parameters outside any Gaussian go to a ``fallback`` optax
 rejected by name.
 """
 
+import copy
 from typing import Callable, NamedTuple, Optional, Union
 
 import jax
@@ -61,7 +62,7 @@ from numpyro_blr.svi import GuideAlgorithm, GuideOptimizer, GuideStep
 AUTODIFF_MAX_DIM = 256
 BACKTRACK_TRIES = 8
 GAP_WINDOW = 200  # Laplace-gap draws kept for the end-of-run report (delta method)
-CURVATURE_DRAWS = 8  # the draws BLR(curvature_draws=...) is measured with (docs/robustness.md); the default is 1
+CURVATURE_DRAWS = 8  # draws per step once the one-draw curvature is too noisy (default: on a rerun only, BLR.rerun_optimizer)
 NOISE_TOLERANCE = 0.05  # the improved rule's fixed-point bias of a precision from negative single-draw curvature
 NOISE_WEIGHT = 0.05  # weight of the running average of the squared negative whitened curvature
 
@@ -168,12 +169,18 @@ class BLR(GuideOptimizer):
     :param curvature_draws: with the exact Hessian at a sample (``hessian="autodiff"``, the default for small
         guides), the number of draws of :math:`q` whose Hessians and gradients a step averages once the
         one-draw curvature has shown negative values with a heavy tail (hierarchical log-scales), which bias
-        the precision step (:meth:`_curvature_draws`: the decision, the maths and the cost). Default 1 (one draw,
-        always); 8 (``CURVATURE_DRAWS``) fits NumPyro's hierarchical-scales logistic regression with one particle in
-        1,000 steps (docs/robustness.md). Not the default because the averaged branch is compiled into every step
-        whether or not a run switches: on breast cancer (``AutoMultivariateNormal``) it takes the step's object code
-        from 351 to 536 KB and its compile CPU time by about 45%, which every cold fit would pay. Models whose
-        single-draw Hessian is never negative never switch.
+        the precision step (:meth:`_curvature_draws`: the decision, the maths and the cost). ``None`` (the
+        default): every step decides as with 8 (``CURVATURE_DRAWS``) whether the one-draw curvature is too
+        noisy, but takes the one-draw step; ``SVI.run`` and ``nb.fit`` rerun a fit whose steps found it too noisy
+        *and* whose end-of-run report finds a problem with ``curvature_draws=8`` (:meth:`rerun_optimizer`), from
+        the same key: the result is that of ``curvature_draws=8`` (whose steps up to the switch are those of the
+        one-draw run). So the averaged branch, which takes the step's object code from 351 to 536 KB on breast
+        cancer (``AutoMultivariateNormal``, about 45% more compile time), is compiled only for the fits that need
+        it: NumPyro's hierarchical-scales logistic regression (docs/robustness.md); ``ucbadmit_glmm``,
+        ``gp_pois_regr`` and ``sblri_blr`` (``AutoMultivariateNormal``) also switch but converge with one draw, so
+        they are not rerun. An int: that many draws from the switch on, compiled into every step (1: one draw,
+        always). A loop of ``svi.update`` (and the workflow's many-fit programs) runs the steps as given; the
+        report then proposes ``curvature_draws=8``.
 
     References: Khan & Rue (2023), *The Bayesian learning rule*, JMLR; Lin, Schmidt & Khan (2020),
     *Handling the positive-definite constraint in the Bayesian learning rule*, ICML.
@@ -195,12 +202,16 @@ class BLR(GuideOptimizer):
         prefix: Optional[str] = None,
         seed: int = 0,
         backtrack: bool = True,
-        curvature_draws: int = 1,
+        curvature_draws: Optional[int] = None,
     ):
         self.lr = None if lr is None else check_step_size(lr)
-        if isinstance(curvature_draws, bool) or not isinstance(curvature_draws, (int, np.integer)) or curvature_draws < 1:
-            raise ValueError(f"curvature_draws must be an int >= 1, got {curvature_draws!r}.")
-        self.curvature_draws = int(curvature_draws)
+        if curvature_draws is not None and (isinstance(curvature_draws, bool) or
+                                            not isinstance(curvature_draws, (int, np.integer)) or curvature_draws < 1):
+            raise ValueError(f"curvature_draws must be None (the default) or an int >= 1, got {curvature_draws!r}.")
+        # None: the steps detect the noisy curvature but do not average; svi.run and nb.fit rerun such a fit with
+        # CURVATURE_DRAWS when its report finds a problem (rerun_optimizer)
+        self.draws_on_rerun = curvature_draws is None
+        self.curvature_draws = CURVATURE_DRAWS if curvature_draws is None else int(curvature_draws)
         self.backtrack = bool(backtrack)
         if hessian is not None and hessian not in HESSIANS:
             raise ValueError(f"hessian must be one of {HESSIANS} or None, got {hessian!r}.")
@@ -361,6 +372,51 @@ class BLR(GuideOptimizer):
             curvature_switched=full((0,) if draws < 2 else (), False, bool),
         )
         return params, state
+
+    def rerun_optimizer(self, state):
+        """The optimizer to rerun a finished fit with, or ``None`` to keep it (``SVI.run``, ``nb.fit``).
+
+        With ``curvature_draws=None`` (the default): ``nb.BLR(curvature_draws=8)`` with this one's other options
+        where the run's steps found the one-draw curvature too noisy (:meth:`_curvature_draws`) and its end-of-run
+        report finds a problem (a loss still falling, a divergence, ...). ``state`` is the optimizer's state
+        (``svi_result.state.optim_state``)."""
+        if not self.draws_on_rerun:
+            return None
+        i, s = state
+        switched = getattr(getattr(s, "algorithm", None), "curvature_switched", None)
+        if switched is None or np.shape(switched) != () or isinstance(switched, jax.core.Tracer) or not bool(switched):
+            return None
+        if not int(i):  # no step taken
+            return None
+        if not self.algorithm.report((i, s), self):
+            return None
+        return self.with_curvature_draws(self.curvature_draws)
+
+    def with_curvature_draws(self, draws):
+        """A copy of this optimizer with ``curvature_draws=draws`` (its steps averaging from the switch on)."""
+        new = copy.copy(self)
+        new.draws_on_rerun = False
+        new.curvature_draws = int(draws)
+        new.algorithm = self.algorithm._replace(init=new._init_state, step=new._propose, result=new._result)
+        if hasattr(new, "_traced_layouts"):
+            new._traced_layouts = dict(self._traced_layouts)
+        new._state_shapes = dict(self._state_shapes)
+        return new
+
+    def keep_rerun(self, first, second):
+        """Whether the rerun's fit replaces the first (``first``, ``second``: ``(optim_state, losses)``): unless
+        its report finds a problem too and the first fit's average loss over its last tenth of steps is lower (a
+        non-finite average counts as infinite)."""
+        (_, losses), (state2, losses2) = first, second
+        if not self.algorithm.report(state2, self):
+            return True
+
+        def tail(losses):
+            x = np.asarray(losses, np.float64)
+            x = x[-max(1, x.size // 10):]
+            return float(np.mean(x)) if np.all(np.isfinite(x)) else np.inf
+
+        return not tail(losses) < tail(losses2)
 
     def _draws(self, params, layout):
         """How many draws of the exact Hessian a step averages while its one-draw curvature is too noisy
@@ -674,6 +730,8 @@ class BLR(GuideOptimizer):
             x = (negative**2).astype(dt)
             x = jnp.where(jnp.isfinite(x), x, noise[b.loc])
             new_noise[b.loc] = noise[b.loc] + NOISE_WEIGHT * (x - noise[b.loc])
+        if self.draws_on_rerun:  # the default: the decision is recorded (rerun_optimizer reads it), the step is one draw's
+            return stats, joint_hess, new_noise, used, None
         names = sorted(b.loc for b in gauss)
         offsets, start = {}, 0
         for n in names:

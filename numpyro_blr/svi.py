@@ -28,6 +28,7 @@ optimizer) -> [(key, message)]``; an algorithm with a guide of its own (paramete
 has) also gives ``read_layout(params, optimizer) -> Layout``.
 """
 
+import copy
 import functools
 import warnings
 from typing import Any, Callable, NamedTuple
@@ -467,7 +468,31 @@ def install_svi_checks():
                 self.init(rng_key, *args, **model_kwargs)  # the data are checked there
             elif ours:  # a continued run: its data, which may be new, are checked as svi.init checks them
                 self.optim.check_data(self.model, args, {**model_kwargs, **self.static_kwargs})
-        return run(self, rng_key, num_steps, *args, **kwargs)
+        rerun_with = getattr(self.optim, "rerun_optimizer", None)
+        if rerun_with is None:
+            return run(self, rng_key, num_steps, *args, **kwargs)
+        # nb.BLR()'s default: a fit whose one-draw curvature was too noisy and whose report finds a problem is run
+        # again, from the same key and init_state, with curvature_draws=8 (BLR.rerun_optimizer); the first run's
+        # warnings are given only if it is kept (BLR.keep_rerun)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            result = run(self, rng_key, num_steps, *args, **kwargs)
+        other = rerun_with(result.state.optim_state)
+        if other is not None:
+            with warnings.catch_warnings(record=True) as caught_again:
+                warnings.simplefilter("always")
+                again = run(_rerun_svi(self, other), rng_key, num_steps, *args, **kwargs)
+            if self.optim.keep_rerun((result.state.optim_state, result.losses), (again.state.optim_state, again.losses)):
+                result, caught = again, caught_again
+        for w in caught:
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, source=w.source)
+        return result
+
+    def _rerun_svi(svi, optim):
+        """``svi`` with another optimizer (same model, guide, loss and static arguments; its constraints)."""
+        other = copy.copy(svi)
+        other.optim = optim
+        return other
 
     checked_init._numpyro_blr_checks = True
     checked_run._numpyro_blr_checks = True

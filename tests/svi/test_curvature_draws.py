@@ -85,21 +85,49 @@ def test_negative_single_draw_curvature_switches_to_several_draws():
     assert np.all(np.isfinite(np.asarray(result.losses)))
 
 
+@pytest.mark.slow  # three fits (their compilation: 2-3 s each on 2 loaded cores)
 def test_log_concave_model_never_switches():
     """A Poisson regression (log-concave: its Hessian is positive definite at every draw) never switches, and its
-    fit is that of one draw per step (``curvature_draws=1``)."""
+    fit is that of one draw per step (``curvature_draws=1``), with ``curvature_draws=8`` and with the default (which
+    decides as 8 does, takes one draw's step and is not rerun)."""
     x = np.linspace(-1.0, 1.0, 12)
     y = np.array([0, 1, 1, 0, 2, 1, 3, 2, 4, 3, 6, 5], np.float32)
-    state, result = _run(poisson_regression, AutoNormal, (x, y), curvature_draws=8)
-    assert state.curvature_switched.shape == () and not bool(state.curvature_switched)
-    assert float(max(jnp.max(v) for v in state.curvature_noise.values())) == 0.0
-    one_state, one = _run(poisson_regression, AutoNormal, (x, y))  # the default: one draw
+    one_state, one = _run(poisson_regression, AutoNormal, (x, y), curvature_draws=1)
     assert one_state.curvature_noise == {}
-    for k in result.params:
-        np.testing.assert_allclose(np.asarray(result.params[k]), np.asarray(one.params[k]), rtol=1e-6, atol=1e-7)
+    for draws in (8, None):
+        state, result = _run(poisson_regression, AutoNormal, (x, y), curvature_draws=draws)
+        assert state.curvature_switched.shape == () and not bool(state.curvature_switched)
+        assert float(max(jnp.max(v) for v in state.curvature_noise.values())) == 0.0
+        for k in result.params:
+            np.testing.assert_allclose(np.asarray(result.params[k]), np.asarray(one.params[k]), rtol=1e-6, atol=1e-7)
+
+
+def test_default_decides_and_reruns_with_averaged_draws():
+    """nb.BLR()'s default decides as curvature_draws=8 does but steps with one draw; the optimizer a rerun uses is
+    a copy with curvature_draws=8 whose steps are its own (the algorithm bound to the copy), and an explicit
+    curvature_draws is never rerun."""
+    opt = nb.BLR(lr=0.1)
+    assert opt.draws_on_rerun and opt.curvature_draws == 8
+    other = opt.with_curvature_draws(8)
+    assert not other.draws_on_rerun and other.curvature_draws == 8 and other.lr == opt.lr
+    assert other.algorithm.step.__self__ is other and opt.algorithm.step.__self__ is opt
+    assert nb.compile_once._optimizer_key(other) != nb.compile_once._optimizer_key(opt)
+    svi = SVI(quadratic_model, AutoNormal(quadratic_model), nb.BLR(curvature_draws=8), Trace_ELBO())
+    state = svi.init(jax.random.PRNGKey(0))
+    assert svi.optim.rerun_optimizer(state.optim_state) is None  # explicit: never rerun
+    assert opt.rerun_optimizer(state.optim_state) is None  # not switched
+    i, s = state.optim_state
+    switched = (i, s._replace(algorithm=s.algorithm._replace(curvature_switched=jnp.array(True))))
+    assert opt.rerun_optimizer(switched) is None  # switched, but no step taken
+    ten = (jnp.asarray(10, i.dtype), switched[1])
+    assert isinstance(opt.rerun_optimizer(ten), nb.BLR)  # switched, and the report finds a problem (its clock at 0)
+    # keep_rerun: the rerun, unless its report finds a problem too (here: no step) and the first fit ended lower
+    first, again = (state.optim_state, np.full(10, 5.0)), (state.optim_state, np.ones(10))
+    assert opt.keep_rerun(first, again) and not opt.keep_rerun(again, first)
+    assert not opt.keep_rerun(again, (state.optim_state, np.array([1.0, np.nan])))  # a non-finite end: never kept
 
 
 def test_curvature_draws_is_checked():
-    for bad in (0, 1.5, True, -2):
+    for bad in (0, 1.5, True, -2, "8"):
         with pytest.raises(ValueError, match="curvature_draws"):
             nb.BLR(curvature_draws=bad)
