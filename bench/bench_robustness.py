@@ -123,18 +123,14 @@ class Run:
     @classmethod
     def as_svi_run(cls, case, guide_cls, optim, steps, every, key):
         """A run as ``SVI.run`` gives it: with ``nb.BLR()``'s default, a fit whose one-draw curvature was too noisy
-        and whose report finds a problem is run again with ``curvature_draws=8`` (``BLR.rerun_optimizer``), and
-        the rerun is kept unless ``BLR.keep_rerun`` says otherwise (``rerun`` says which)."""
-        first = cls(case, guide_cls, optim, steps, every, key)
-        first.rerun = False
-        other = optim.rerun_optimizer(first.state.optim_state) if hasattr(optim, "rerun_optimizer") else None
-        if other is None:
-            return first
-        again = cls(case, guide_cls, other, steps, every, key)
-        if optim.keep_rerun((first.state.optim_state, first.losses), (again.state.optim_state, again.losses)):
-            again.rerun = True
-            return again
-        return first
+        and whose report finds a problem is run again with ``curvature_draws=8`` (``nb.svi.run_with_rerun``, the
+        mechanism svi.run and nb.fit use; ``rerun`` says which run was kept)."""
+        def once(o):
+            run = cls(case, guide_cls, o, steps, every, key)  # its warnings recorded in run.warnings
+            run.rerun = o is not optim
+            return run
+
+        return nb.svi.run_with_rerun(optim, once)
 
     def params_at(self, step):
         i = max(j for j, s in enumerate(self.checkpoints) if s <= step)

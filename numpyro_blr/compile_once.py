@@ -1229,6 +1229,7 @@ def fit(model, guide, *args, optim=None, num_steps=1000, rng_key=None, loss=None
     object itself.
     """
     from numpyro_blr.optim import BLR
+    from numpyro_blr.svi import run_with_rerun
 
     if isinstance(num_steps, bool) or not isinstance(num_steps, (int, np.integer)) or num_steps < 1:
         raise ValueError(f"num_steps must be a positive int, got {num_steps!r}.")
@@ -1248,39 +1249,32 @@ def fit(model, guide, *args, optim=None, num_steps=1000, rng_key=None, loss=None
     data = [jnp.asarray(x) if isinstance(x, np.ndarray) else x for x in data]
     chunk = _chunk_length(num_steps, progress_bar)
     effort = resolve_effort(compile_effort, data, 1, num_steps)
-    key = (id(model), id(guide), _optimizer_key(optim), _loss_key(loss), num_steps, chunk, bool(stable_update),
-           signature, effort, _DISK["dir"])
-    with _CACHE_LOCK:
-        program = _CACHE.get(key)
-        if program is not None:
-            _CACHE.move_to_end(key)
-    if program is None:
-        options = _compiler_options(effort)
-        disk = _disk_config(optim, loss, num_steps, chunk, bool(stable_update), signature, effort, options)
-        program = _Program(model, guide, optim, loss, num_steps=num_steps, chunk=chunk, stable_update=bool(stable_update),
-                           rebuild=rebuild, compiler_options=options, disk=disk)
-        with _CACHE_LOCK:
-            _CACHE[key] = program
-            while len(_CACHE) > _CACHE_SIZE:
-                _CACHE.popitem(last=False)
     check_data(model, args, kwargs, shapes=False)  # NaN/inf in the data: on the concrete arrays, before the program
-    state, losses, params = program.run(rng_key, (data, {}), init_state, progress_bar)
-    rerun_with = getattr(optim, "rerun_optimizer", None)
-    other = rerun_with(state.optim_state) if rerun_with is not None else None
-    if other is not None:  # nb.BLR()'s default: rerun with averaged curvature draws, as svi.run does
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            again = fit(model, guide, *args, optim=other, num_steps=num_steps, rng_key=rng_key, loss=loss,
-                        progress_bar=progress_bar, stable_update=stable_update, init_state=init_state,
-                        compile_effort=compile_effort, **kwargs)
-        if optim.keep_rerun((state.optim_state, losses), (again.state.optim_state, again.losses)):
-            for w in caught:
-                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, source=w.source)
-            return again
-    warn = getattr(optim, "warn", None)
-    if warn is not None:  # the end-of-run warnings svi.run's get_params gives
-        warn(state.optim_state, stacklevel=3)
-    return SVIRunResult(params, state, losses)
+
+    def once(optim):
+        key = (id(model), id(guide), _optimizer_key(optim), _loss_key(loss), num_steps, chunk, bool(stable_update),
+               signature, effort, _DISK["dir"])
+        with _CACHE_LOCK:
+            program = _CACHE.get(key)
+            if program is not None:
+                _CACHE.move_to_end(key)
+        if program is None:
+            options = _compiler_options(effort)
+            disk = _disk_config(optim, loss, num_steps, chunk, bool(stable_update), signature, effort, options)
+            program = _Program(model, guide, optim, loss, num_steps=num_steps, chunk=chunk, stable_update=bool(stable_update),
+                               rebuild=rebuild, compiler_options=options, disk=disk)
+            with _CACHE_LOCK:
+                _CACHE[key] = program
+                while len(_CACHE) > _CACHE_SIZE:
+                    _CACHE.popitem(last=False)
+        state, losses, params = program.run(rng_key, (data, {}), init_state, progress_bar)
+        warn = getattr(optim, "warn", None)
+        if warn is not None:  # the end-of-run warnings svi.run's get_params gives
+            warn(state.optim_state, stacklevel=5)  # the caller of fit (once, run_with_rerun, fit)
+        return SVIRunResult(params, state, losses)
+
+    # nb.BLR()'s default may rerun the fit with averaged curvature draws, as svi.run does (run_with_rerun)
+    return run_with_rerun(optim, once)
 
 
 # -- checks made while the program is traced (shapes only: no cost at run time) ---------------------

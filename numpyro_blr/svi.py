@@ -468,25 +468,9 @@ def install_svi_checks():
                 self.init(rng_key, *args, **model_kwargs)  # the data are checked there
             elif ours:  # a continued run: its data, which may be new, are checked as svi.init checks them
                 self.optim.check_data(self.model, args, {**model_kwargs, **self.static_kwargs})
-        rerun_with = getattr(self.optim, "rerun_optimizer", None)
-        if rerun_with is None:
-            return run(self, rng_key, num_steps, *args, **kwargs)
-        # nb.BLR()'s default: a fit whose one-draw curvature was too noisy and whose report finds a problem is run
-        # again, from the same key and init_state, with curvature_draws=8 (BLR.rerun_optimizer); the first run's
-        # warnings are given only if it is kept (BLR.keep_rerun)
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            result = run(self, rng_key, num_steps, *args, **kwargs)
-        other = rerun_with(result.state.optim_state)
-        if other is not None:
-            with warnings.catch_warnings(record=True) as caught_again:
-                warnings.simplefilter("always")
-                again = run(_rerun_svi(self, other), rng_key, num_steps, *args, **kwargs)
-            if self.optim.keep_rerun((result.state.optim_state, result.losses), (again.state.optim_state, again.losses)):
-                result, caught = again, caught_again
-        for w in caught:
-            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, source=w.source)
-        return result
+        # nb.BLR()'s default may rerun the fit with averaged curvature draws (run_with_rerun)
+        return run_with_rerun(self.optim, lambda optim: run(self if optim is self.optim else _rerun_svi(self, optim),
+                                                             rng_key, num_steps, *args, **kwargs))
 
     def _rerun_svi(svi, optim):
         """``svi`` with another optimizer (same model, guide, loss and static arguments; its constraints)."""
@@ -500,6 +484,30 @@ def install_svi_checks():
 
 
 install_svi_checks()
+
+
+def run_with_rerun(optim, run):
+    """``run(optim)`` (a fit that returns an ``SVIRunResult`` and gives its end-of-run warnings), run again with the
+    optimizer ``optim.rerun_optimizer(state)`` proposes, if any (``nb.BLR()``'s default: a fit whose one-draw
+    curvature was too noisy and whose report finds a problem, rerun from the same key and ``init_state`` with
+    ``curvature_draws=8``); the rerun is kept where ``optim.keep_rerun`` says so, and only the kept fit's warnings
+    are given (recorded, then re-emitted: the caller's filters apply). ``svi.run`` and ``nb.fit`` both use it."""
+    rerun_with = getattr(optim, "rerun_optimizer", None)
+    if rerun_with is None:
+        return run(optim)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = run(optim)
+    other = rerun_with(result.state.optim_state)
+    if other is not None:
+        with warnings.catch_warnings(record=True) as caught_again:
+            warnings.simplefilter("always")
+            again = run(other)
+        if optim.keep_rerun((result.state.optim_state, result.losses), (again.state.optim_state, again.losses)):
+            result, caught = again, caught_again
+    for w in caught:
+        warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, source=w.source)
+    return result
 
 
 def nonfinite_parameters(state):
