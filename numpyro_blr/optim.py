@@ -398,8 +398,7 @@ class BLR(GuideOptimizer):
         new.draws_on_rerun = False
         new.curvature_draws = int(draws)
         new.algorithm = self.algorithm._replace(init=new._init_state, step=new._propose, result=new._result)
-        if hasattr(new, "_traced_layouts"):
-            new._traced_layouts = dict(self._traced_layouts)
+        new._traced_layouts = dict(self._traced_layouts)
         new._state_shapes = dict(self._state_shapes)
         return new
 
