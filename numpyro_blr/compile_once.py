@@ -61,6 +61,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from jax import lax
+import numpyro.distributions as dist
 from numpyro import handlers
 from numpyro.infer import SVI
 from numpyro.infer import Trace_ELBO as _NumPyroTraceELBO
@@ -68,6 +69,61 @@ from numpyro.infer.svi import SVIRunResult, SVIState
 from numpyro.optim import _NumPyroOptim
 
 __all__ = ["Trace_ELBO", "fit", "enable_compilation_cache", "cache_info", "cache_clear"]
+
+
+class _draw_once(handlers.Messenger):  # noqa: N801 - a NumPyro handler's name
+    """Draws a guide's ``Normal`` and ``MultivariateNormal`` sites (also ``.to_event`` and transformed, as
+    ``AutoNormal``'s constrained sites) as NumPyro does, the same values and intermediates bit for bit, with the
+    standard normal draw behind ``lax.optimization_barrier``: without it XLA's fusion copies the draw (threefry bits
+    and ``erf_inv``, about 240 operations per value in float64) into every fused consumer of it (the site's value,
+    the guide's log density, the gradient in the scale). Placed outside ``handlers.seed``, whose key it reads; under
+    a handler that may still set the value (``substitute``, ``condition``, ``replay``, ``do`` around the loss) it
+    leaves the site to NumPyro."""
+
+    def process_message(self, msg):
+        if msg["type"] != "sample" or msg["value"] is not None or msg.get("is_observed"):
+            return
+        from numpyro.primitives import _PYRO_STACK
+
+        outer = _PYRO_STACK[:next(i for i, h in enumerate(_PYRO_STACK) if h is self)]
+        if any(_sets_value(h, msg) for h in outer):
+            return
+        key, base, transforms = msg["kwargs"].get("rng_key"), msg["fn"], []
+        if type(base) is dist.TransformedDistribution:
+            base, transforms = base.base_dist, base.transforms
+        while type(base) is dist.Independent:
+            base = base.base_dist
+        if key is None or type(base) not in (dist.Normal, dist.MultivariateNormal):
+            return
+        shape = tuple(msg["kwargs"].get("sample_shape", ())) + base.batch_shape + base.event_shape
+        eps = lax.optimization_barrier(jax.random.normal(key, shape=shape))
+        if type(base) is dist.Normal:  # numpyro's Normal.sample and MultivariateNormal.sample, with the barrier
+            x = base.loc + eps * base.scale
+        else:
+            x = base.loc + jnp.squeeze(jnp.matmul(base.scale_tril, eps[..., jnp.newaxis]), axis=-1)
+        intermediates = []
+        for transform in transforms:  # TransformedDistribution.sample_with_intermediates
+            x_before = x
+            x, t_inter = transform.call_with_intermediates(x)
+            intermediates.append([x_before, t_inter])
+        msg["value"], msg["intermediates"] = x, intermediates
+
+
+def _sets_value(handler, msg):
+    """Whether ``handler`` (a NumPyro handler around the guide) will set this sample site's value: ``substitute`` and
+    ``condition`` (by data or by function), ``replay``, ``do`` (``log_density``'s substitute of the parameters does
+    not)."""
+    name = msg["name"]
+    if isinstance(handler, (handlers.substitute, handlers.condition)):
+        if handler.data is not None:
+            return handler.data.get(name) is not None
+        fn = handler.substitute_fn if isinstance(handler, handlers.substitute) else handler.condition_fn
+        return fn(msg) is not None
+    if isinstance(handler, handlers.replay):
+        return name in handler.trace
+    if isinstance(handler, handlers.do):
+        return handler.data is not None and name in handler.data
+    return False
 
 
 class Trace_ELBO(_NumPyroTraceELBO):  # noqa: N801 - NumPyro's name
@@ -91,7 +147,8 @@ class Trace_ELBO(_NumPyroTraceELBO):  # noqa: N801 - NumPyro's name
         def single_particle_elbo(key):
             params = param_map.copy()
             model_seed, guide_seed = jax.random.split(key)
-            guide_log_probs, guide_trace = compute_log_probs(handlers.seed(guide, guide_seed), args, kwargs, param_map)
+            guide_log_probs, guide_trace = compute_log_probs(_draw_once(handlers.seed(guide, guide_seed)), args, kwargs,
+                                                             param_map)
             mutable = {n: site["value"] for n, site in guide_trace.items() if site["type"] == "mutable"}
             params.update(mutable)
             replayed = handlers.replay(handlers.seed(model, model_seed), guide_trace)

@@ -15,6 +15,7 @@ import numpyro
 import numpyro.distributions as dist
 import optax
 import pytest
+from numpyro import handlers
 from numpyro.infer import SVI, Trace_ELBO
 from numpyro.infer.autoguide import AutoDelta, AutoDiagonalNormal, AutoMultivariateNormal, AutoNormal
 
@@ -102,6 +103,56 @@ def test_numpyro_trace_elbo_sums_the_same_terms():
         ours = nb.Trace_ELBO(num_particles=particles).loss(jax.random.PRNGKey(1), params, regression, guide, x, y=y)
         theirs = Trace_ELBO(num_particles=particles).loss(jax.random.PRNGKey(1), params, regression, guide, x, y=y)
         np.testing.assert_allclose(ours, theirs, rtol=1e-6)
+
+
+@pytest.mark.parametrize("guide_cls", [AutoNormal, AutoDiagonalNormal, AutoMultivariateNormal])
+def test_guide_draws_are_numpyros_bit_for_bit(guide_cls):
+    """nb.Trace_ELBO draws the guide's Gaussian sites once, behind an optimisation barrier (compile_once._draw_once:
+    XLA copied the draw into every consumer; IVON + AutoNormal's 15-step program on unsorted_sites compiled in 2.2 s
+    at -O0, now 0.7 s): the values and the transforms' intermediates (AutoNormal's constrained sites s and p) are
+    NumPyro's own; under an outer substitute the substituted value is kept, with no stale intermediates."""
+    from numpyro_blr.compile_once import _draw_once
+
+    x, y = data()
+    guide = guide_cls(unsorted_sites)
+    svi = SVI(unsorted_sites, guide, numpyro.optim.Adam(0.01), Trace_ELBO())
+    params = {k: v + 0.1 if k.endswith("loc") else v for k, v in svi.get_params(svi.init(jax.random.PRNGKey(0), x, y=y)).items()}
+    key = jax.random.PRNGKey(3)
+
+    def trace(g):
+        return handlers.trace(handlers.substitute(g, data=params)).get_trace(x, y=y)
+
+    theirs, ours = trace(handlers.seed(guide, key)), trace(_draw_once(handlers.seed(guide, key)))
+    drawn = [n for n, site in theirs.items() if site["type"] == "sample"]
+    assert drawn
+    for n in drawn:
+        np.testing.assert_array_equal(ours[n]["value"], theirs[n]["value"])
+        for (a, ia), (b, ib) in zip(ours[n]["intermediates"], theirs[n]["intermediates"]):
+            np.testing.assert_array_equal(a, b)
+            jax.tree.map(np.testing.assert_array_equal, ia, ib)
+        assert len(ours[n]["intermediates"]) == len(theirs[n]["intermediates"])
+    fixed = {n: jnp.asarray(theirs[n]["value"]) + 0.5 for n in drawn}
+    with handlers.substitute(data=fixed):
+        kept = trace(_draw_once(handlers.seed(guide, key)))
+    for n in drawn:
+        np.testing.assert_array_equal(kept[n]["value"], fixed[n])
+        assert kept[n]["intermediates"] == []
+
+
+def test_guide_draws_are_not_copied_into_each_consumer():
+    """The compiled SVI step of NumPyro's Adam with AutoNormal on unsorted_sites (float32): with NumPyro's
+    Trace_ELBO 1,468 of its operations are erf_inv (the normal draws, copied by XLA's fusion into each consumer),
+    with nb.Trace_ELBO 160; the same losses to rounding."""
+    x, y = data()
+    counts, losses = [], []
+    for loss in (Trace_ELBO(), nb.Trace_ELBO()):
+        svi = SVI(unsorted_sites, AutoNormal(unsorted_sites), numpyro.optim.Adam(0.01), loss)
+        state = svi.init(jax.random.PRNGKey(0), x, y=y)
+        step = jax.jit(svi.update)
+        counts.append(sum("erf_inv" in line for line in step.lower(state, x, y=y).compile().as_text().splitlines()))
+        losses.append(float(step(state, x, y=y)[1]))
+    assert counts[1] * 4 < counts[0], counts
+    assert losses[1] == pytest.approx(losses[0], rel=1e-6)
 
 
 @pytest.mark.parametrize("optim", [lambda: numpyro.optim.Adam(0.05), lambda: optax.adam(0.05)], ids=["numpyro", "optax"])
