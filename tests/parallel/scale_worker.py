@@ -134,8 +134,12 @@ def max_scale(a):
 # ----------------------------------------------------------------------------- checks
 
 
-def check_blr_breast_cancer(steps=200):
-    """nb.BLR() + AutoMultivariateNormal, 1 device vs 4 (shared key: same keys, same steps)."""
+BLR_STEPS = 100  # the breast-cancer fits: one device, four, and each of the two processes
+
+
+def check_blr_breast_cancer(steps=BLR_STEPS):
+    """nb.BLR() + AutoMultivariateNormal, 1 device vs 4 (shared key: same keys, same steps); the one-device fit is
+    also the reference of the two-process run."""
     X, y = breast_cancer()
     out = {}
     for name, mesh in (("one", mesh1()), ("four", mesh4())):
@@ -146,7 +150,8 @@ def check_blr_breast_cancer(steps=200):
         out[name + "_loss"] = float(res.losses[-1])
         out[name + "_sharding"] = str(res.params["auto_loc"].sharding.spec)
     return {"max_diff": max_diff(out["one"], out["four"]), "scale": max_scale(out["one"]),
-            "loss_one": out["one_loss"], "loss_four": out["four_loss"], "params_spec": out["four_sharding"]}
+            "loss_one": out["one_loss"], "loss_four": out["four_loss"], "params_spec": out["four_sharding"],
+            "params_one": {k: np.asarray(v).tolist() for k, v in out["one"].items()}, "steps": steps}
 
 
 def check_estimators(steps=30):
@@ -469,8 +474,8 @@ def process_fit():
     mesh = nb.data_mesh()
     Xs, ys = nb.shard_data(mesh, X[rows], y[rows], model=logistic_model)
     svi = SVI(logistic_model, AutoMultivariateNormal(logistic_model), nb.BLR(), Trace_ELBO())
-    res = svi.run(jax.random.PRNGKey(0), 100, Xs, ys, progress_bar=False)
-    return {"process": jax.process_index(), "processes": jax.process_count(), "devices": len(jax.devices()),
+    res = svi.run(jax.random.PRNGKey(0), BLR_STEPS, Xs, ys, progress_bar=False)
+    return {"process": jax.process_index(), "steps": BLR_STEPS, "processes": jax.process_count(), "devices": len(jax.devices()),
             "global_rows": int(Xs.shape[0]), "params": {k: np.asarray(v).tolist() for k, v in res.params.items()},
             "loss": float(res.losses[-1])}
 

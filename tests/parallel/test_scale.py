@@ -56,53 +56,69 @@ def run_worker(*checks, timeout=400):
     return results
 
 
-@pytest.fixture(scope="module")
-def fast():
-    return run_worker("bad_input", "variance", "eqx_ivon")
+# the worker's checks each test reads; one worker process runs those of every selected test of this file (a
+# process start, the imports and the compilations the checks share are paid once: tests/data/file_costs.json)
+CHECKS_OF = {
+    "test_blr_breast_cancer_four_devices_equal_one": ("blr_breast_cancer",),
+    "test_ivon_digits_four_devices_equal_one": ("ivon_digits",),
+    "test_stochastic_vi_mixture_four_devices_equal_one": ("mixture_svi",),
+    "test_message_passing_stochastic_vi_mixture_four_devices_equal_one": ("mixture_message_passing_svi",),
+    "test_optax_view_equinox_four_devices_equal_one": ("eqx_ivon",),
+    "test_every_estimator_runs_sharded": ("estimators",),
+    "test_one_all_reduce_per_step": ("collectives",),
+    "test_sharded_diagonal_state": ("sharded_state",),
+    "test_per_device_samples_reduce_curvature_variance": ("variance",),
+    "test_bad_input_messages": ("bad_input",),
+    "test_two_processes_match_one": ("blr_breast_cancer",),  # its one-process reference
+}
 
 
 @pytest.fixture(scope="module")
-def fits():
-    return run_worker("blr_breast_cancer", "ivon_digits", "mixture_svi", "mixture_message_passing_svi", "collectives",
-                      "sharded_state")
+def worker(request):
+    """``{check: result}`` for the checks of the selected tests of this file, from one worker process."""
+    here = request.node.path
+    selected = {item.originalname for item in request.session.items if item.path == here and "worker" in item.fixturenames}
+    assert selected <= set(CHECKS_OF), f"tests reading the worker with no entry in CHECKS_OF: {selected - set(CHECKS_OF)}"
+    checks = dict.fromkeys(c for name in CHECKS_OF if name in selected for c in CHECKS_OF[name])
+    return run_worker(*checks, timeout=900)
 
 
 # ----------------------------------------------------------------------------- four devices, shared key
 
 
 @pytest.mark.slow
-def test_blr_breast_cancer_four_devices_equal_one(fits):
-    r = fits["blr_breast_cancer"]
+def test_blr_breast_cancer_four_devices_equal_one(worker):
+    r = worker["blr_breast_cancer"]
     assert r["params_spec"] == "P()"  # parameters come back replicated
     assert r["max_diff"] <= FLOAT_TOL * max(1.0, r["scale"]), r
     assert abs(r["loss_one"] - r["loss_four"]) <= 1e-5 * abs(r["loss_one"])
 
 
 @pytest.mark.slow
-def test_ivon_digits_four_devices_equal_one(fits):
-    r = fits["ivon_digits"]
+def test_ivon_digits_four_devices_equal_one(worker):
+    r = worker["ivon_digits"]
     assert r["loss_last"] < 0.5 * r["loss_first"]  # it learns
     assert r["max_diff"] <= FLOAT_TOL * max(1.0, r["scale"]), r
 
 
 @pytest.mark.slow
-def test_stochastic_vi_mixture_four_devices_equal_one(fits):
+def test_stochastic_vi_mixture_four_devices_equal_one(worker):
     """Minibatched SVI (NumPyro's plate subsampling, nb.BLR) of a three-component mixture: the same
     minibatches and keys on 1 and 4 devices. The message-passing one is the next test."""
-    r = fits["mixture_svi"]
+    r = worker["mixture_svi"]
     assert r["max_diff"] <= FLOAT_TOL * max(1.0, r["scale"]), r
     assert np.allclose(r["locs"], [-4.0, 0.0, 5.0], atol=0.3)  # and it finds the components
 
 
 @pytest.mark.slow
-def test_message_passing_stochastic_vi_mixture_four_devices_equal_one(fits):
+def test_message_passing_stochastic_vi_mixture_four_devices_equal_one(worker):
     """numpyro_blr.infer.svi (streamed minibatches, each split over the devices by nb.shard_data, the state
     replicated) of a three-component mixture: the same minibatches on 1 and 4 devices give the same fit
     (measured: posterior means 1e-6 apart, natural parameters 5e-6 relative), and one compiled step holds two
     all-reduces, nothing else: the global sites' messages (their minibatch sums, all sites in one combined
     tuple: the update's one reduction) and, after the update, the minibatch ELBO's two plate factors (y and z)
     at the new globals, two scalars that depend on the first reduction and so cannot be merged with it."""
-    r = fits["mixture_message_passing_svi"]
+    r = worker["mixture_message_passing_svi"]
     assert r["max_diff"] <= FLOAT_TOL * max(1.0, r["scale"]), r
     assert r["natural_rel_diff"] <= FLOAT_TOL, r
     assert abs(r["elbo_one"] - r["elbo_four"]) <= 1e-5 * abs(r["elbo_one"]), r
@@ -115,8 +131,8 @@ def test_message_passing_stochastic_vi_mixture_four_devices_equal_one(fits):
 
 
 @pytest.mark.slow
-def test_optax_view_equinox_four_devices_equal_one(fast):
-    r = fast["eqx_ivon"]
+def test_optax_view_equinox_four_devices_equal_one(worker):
+    r = worker["eqx_ivon"]
     assert r["max_diff"] <= FLOAT_TOL * max(1.0, r["scale"]), r
     assert r["loss_last"] < r["loss_first"] and r["loss_last_per_device"] < r["loss_first"]
     # gradient (and loss) partial sums over the batch: one combined all-reduce, nothing else
@@ -124,8 +140,8 @@ def test_optax_view_equinox_four_devices_equal_one(fast):
 
 
 @pytest.mark.slow
-def test_every_estimator_runs_sharded():
-    r = run_worker("estimators")["estimators"]["max_diff"]
+def test_every_estimator_runs_sharded(worker):
+    r = worker["estimators"]["max_diff"]
     assert len(r) == 6
     for label, (diff, scale) in r.items():
         # the sampled estimators (reparam's baseline above all) amplify rounding more over 30 steps
@@ -133,10 +149,10 @@ def test_every_estimator_runs_sharded():
 
 
 @pytest.mark.slow
-def test_one_all_reduce_per_step(fits):
+def test_one_all_reduce_per_step(worker):
     """XLA's all-reduce combiner merges the loss, gradient and Hessian partial sums into one all-reduce;
     backtracking adds one scalar all-reduce (the trial loss) inside its loop."""
-    r = fits["collectives"]
+    r = worker["collectives"]
     for label, c in r.items():
         assert c["other"] == 0, (label, c)
     assert r["BLR AutoMultivariateNormal backtrack=False"]["all_reduce"] == 1
@@ -147,8 +163,8 @@ def test_one_all_reduce_per_step(fits):
 
 
 @pytest.mark.slow
-def test_sharded_diagonal_state(fits):
-    r = fits["sharded_state"]
+def test_sharded_diagonal_state(worker):
+    r = worker["sharded_state"]
     assert r["step_specs"] == ["P('data',)"] * 3 and r["step_shard_len"] == [r["size"] // 4] * 2
     assert r["step_diff"] <= FLOAT_TOL
     assert r["param_specs"]["w1"] == "P('data', None)" and r["param_specs"]["w2"] == "P()"
@@ -159,11 +175,11 @@ def test_sharded_diagonal_state(fits):
 # ----------------------------------------------------------------------------- one sample per device
 
 
-def test_per_device_samples_reduce_curvature_variance(fast):
+def test_per_device_samples_reduce_curvature_variance(worker):
     """Four devices, one weight draw each: the curvature estimate's variance falls by about 4. Exactly 4
     only for alike shards; the prediction for these shards is (1/k^2) sum_d Var(h_d), each device's
     own estimate on its shard, measured separately. Tolerance: 4 bootstrap sds of the log ratio."""
-    r = fast["variance"]
+    r = worker["variance"]
     tol = 4 * r["log_ratio_sd"] * math.sqrt(2)  # the prediction has the same Monte Carlo error
     assert abs(math.log(r["ratio"] / r["predicted"])) < tol, r
     assert 0.75 * r["devices"] < r["ratio"] < 1.25 * r["devices"], r
@@ -174,8 +190,8 @@ def test_per_device_samples_reduce_curvature_variance(fast):
 # ----------------------------------------------------------------------------- bad input
 
 
-def test_bad_input_messages(fast):
-    r = fast["bad_input"]
+def test_bad_input_messages(worker):
+    r = worker["bad_input"]
     assert "569 examples over 4 devices" in r["indivisible"] and "568" in r["indivisible"]
     assert "differ in length along the plate axis" in r["axes_disagree"]
     assert "not a plate of the model" in r["feature_axis"] and "axis=0" in r["feature_axis"]
@@ -232,19 +248,12 @@ def test_initialize_checks_before_joining():
 # ----------------------------------------------------------------------------- two processes
 
 
-def _single_process_fit():
-    from scale_worker import breast_cancer, logistic_model
-
-    X, y = breast_cancer()
-    svi = SVI(logistic_model, AutoMultivariateNormal(logistic_model), nb.BLR(), Trace_ELBO())
-    return svi.run(jax.random.PRNGKey(0), 100, jnp.asarray(X), jnp.asarray(y), progress_bar=False)
-
-
 @pytest.mark.slow
-def test_two_processes_match_one():
+def test_two_processes_match_one(worker):
     """Two local JAX processes (gloo CPU collectives, 127.0.0.1, a free port), each holding half the rows,
-    fit the same posterior as one process holding all of them. Bounded: launch_local kills both after
-    the timeout or when one fails."""
+    fit the same posterior as one process holding all of them (the worker's one-device fit of
+    test_blr_breast_cancer_four_devices_equal_one: the same model, data, key and steps). Bounded: launch_local
+    kills both after the timeout or when one fails."""
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     env.pop("XLA_FLAGS", None)
     results = nb.parallel.launch_local([str(WORKER), "--process"], 2, timeout=240, env=env)
@@ -252,13 +261,11 @@ def test_two_processes_match_one():
             for r in results]
     assert [o["process"] for o in outs] == [0, 1] and all(o["processes"] == 2 and o["devices"] == 2 for o in outs)
     assert all(o["global_rows"] == 568 for o in outs)
-    sys.path.insert(0, str(HERE))
-    try:
-        ref = _single_process_fit()
-    finally:
-        sys.path.remove(str(HERE))
+    ref = worker["blr_breast_cancer"]["params_one"]
+    assert set(ref) == {"auto_loc", "auto_scale_tril"}
     for o in outs:
-        for k, v in ref.params.items():
+        assert o["steps"] == worker["blr_breast_cancer"]["steps"]
+        for k, v in ref.items():
             np.testing.assert_allclose(np.asarray(o["params"][k]), np.asarray(v), atol=FLOAT_TOL * 2, rtol=0)
 
 

@@ -15,7 +15,7 @@ import textwrap
 
 import pytest
 
-pytestmark = pytest.mark.slow  # fresh processes: ~4-8 s each on 2 cores
+pytestmark = pytest.mark.slow  # five fresh processes: ~4-8 s each on 2 cores
 
 SCRIPT = textwrap.dedent(
     """
@@ -62,17 +62,17 @@ SCRIPT = textwrap.dedent(
         return out
 
     results = []
-    for scale, n, fresh in plan:
+    for scale, n, fresh, *where in plan:  # where: another cache directory for nb.fit's programs (JAX's stays)
         rng = np.random.default_rng(0)
         x = np.linspace(-1.0, 1.0, n)
         y = 0.5 + 2.0 * x + 0.3 * rng.standard_normal(n)
+        compile_once._DISK["dir"] = str(__import__("pathlib").Path(where[0] if where else cache).resolve() / "numpyro_blr")
         if fresh:  # today's path (no disk cache) on the same model, for comparison
             compile_once._DISK["dir"] = None
             compile_once.cache_clear()
         model = make_model(scale)
         results.append([one(model, AutoMultivariateNormal(model), x, y, False),
                         one(model, AutoNormal(model), x, y, True)])
-        compile_once._DISK["dir"] = str(__import__("pathlib").Path(cache).resolve() / "numpyro_blr")
     print(json.dumps(results))
     """
 )
@@ -98,13 +98,14 @@ def runs(tmp_path_factory):
     cache = root / "cache"
     first = run(cache, [(5.0, 20, False)], seed=1)[0]
     second = run(cache, [(5.0, 20, False)], seed=2)[0]  # another hash seed: the key must not depend on it
-    # the prior scale edited (same sites and shapes), then other data shapes, then the edited model on today's path
-    changed, shapes, reference = run(cache, [(50.0, 20, False), (5.0, 27, False), (50.0, 20, True)], seed=3)
-    damaged = root / "damaged"
-    shutil.copytree(cache, damaged)
+    damaged = root / "damaged"  # the first process's programs, each cut short
+    shutil.copytree(cache / "numpyro_blr", damaged / "numpyro_blr")
     for f in (damaged / "numpyro_blr").iterdir():
         f.write_bytes(f.read_bytes()[:-100])
-    broken = run(damaged, [(5.0, 20, False)], seed=4)[0]
+    # the prior scale edited (same sites and shapes), then other data shapes, then the edited model on today's path,
+    # then the first fit read from the damaged programs (a fit of that model and shapes is in no in-memory cache yet)
+    changed, shapes, reference, broken = run(cache, [(50.0, 20, False), (5.0, 27, False), (50.0, 20, True),
+                                                     (5.0, 20, False, str(damaged))], seed=3)
     # four host devices: a loaded one-device program runs on the device it was compiled for (by default JAX
     # loads it for every local device, and the call failed: "Expected args ... to have 4 shards")
     four_first = run(root / "four", [(5.0, 20, False)], seed=5, devices=4)[0]
