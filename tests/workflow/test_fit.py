@@ -105,6 +105,7 @@ def test_numpyro_trace_elbo_sums_the_same_terms():
         np.testing.assert_allclose(ours, theirs, rtol=1e-6)
 
 
+@pytest.mark.slow  # eager traces: 1-3.5 s of one-operation compiles each
 @pytest.mark.parametrize("guide_cls", [AutoNormal, AutoDiagonalNormal, AutoMultivariateNormal])
 def test_guide_draws_are_numpyros_bit_for_bit(guide_cls):
     """nb.Trace_ELBO draws the guide's Gaussian sites once, behind an optimisation barrier (compile_once._draw_once:
@@ -139,6 +140,7 @@ def test_guide_draws_are_numpyros_bit_for_bit(guide_cls):
         assert kept[n]["intermediates"] == []
 
 
+@pytest.mark.slow
 def test_guide_draws_are_not_copied_into_each_consumer():
     """The compiled SVI step of NumPyro's Adam with AutoNormal on unsorted_sites (float32): with NumPyro's
     Trace_ELBO 1,468 of its operations are erf_inv (the normal draws, copied by XLA's fusion into each consumer),
