@@ -59,9 +59,9 @@ import warnings
 import jax
 import jax.numpy as jnp
 import numpy as np
+import numpyro.distributions as dist
 import optax
 from jax import lax
-import numpyro.distributions as dist
 from numpyro import handlers
 from numpyro.infer import SVI
 from numpyro.infer import Trace_ELBO as _NumPyroTraceELBO
@@ -101,12 +101,18 @@ class _draw_once(handlers.Messenger):  # noqa: N801 - a NumPyro handler's name
             x = base.loc + eps * base.scale
         else:
             x = base.loc + jnp.squeeze(jnp.matmul(base.scale_tril, eps[..., jnp.newaxis]), axis=-1)
-        intermediates = []
-        for transform in transforms:  # TransformedDistribution.sample_with_intermediates
-            x_before = x
-            x, t_inter = transform.call_with_intermediates(x)
-            intermediates.append([x_before, t_inter])
-        msg["value"], msg["intermediates"] = x, intermediates
+        msg["value"], msg["intermediates"] = transformed_with_intermediates(x, transforms)
+
+
+def transformed_with_intermediates(x, transforms):
+    """``(value, intermediates)``: ``transforms`` applied to the base draw ``x``, with the intermediates as
+    ``TransformedDistribution.sample_with_intermediates`` records them (read back by its ``log_prob``)."""
+    intermediates = []
+    for transform in transforms:
+        x_before = x
+        x, t_inter = transform.call_with_intermediates(x)
+        intermediates.append([x_before, t_inter])
+    return x, intermediates
 
 
 def _sets_value(handler, msg):

@@ -68,6 +68,7 @@ from numpyro.infer.initialization import init_to_median
 from numpyro.distributions.util import periodic_repeat
 from numpyro.optim import _value_and_grad
 
+from numpyro_blr.compile_once import transformed_with_intermediates
 from numpyro_blr.families.registry import base_support
 from numpyro_blr.layout import GuideLayoutError, Layout
 from numpyro_blr.rules import liegroup as lie
@@ -92,12 +93,7 @@ class _DrawOnce(dist.TransformedDistribution):
 
     def sample_with_intermediates(self, key, sample_shape=()):
         x = lax.optimization_barrier(self.base_dist(rng_key=key, sample_shape=sample_shape))
-        intermediates = []
-        for transform in self.transforms:
-            x_tmp = x
-            x, t_inter = transform.call_with_intermediates(x)
-            intermediates.append([x_tmp, t_inter])
-        return x, intermediates
+        return transformed_with_intermediates(x, self.transforms)
 
 
 def _act(group, values, xi):

@@ -572,7 +572,7 @@ def fit_report(result, optimizer=None, guide=None):
                                                                           f"average +- {CLIP_SDS:g} sds)"))
                    if _is_falling(d)]
         moved = _moved_sites(s, layout, guide, optimizer) if falling else []
-        if falling and not moved and falling[0][0][0] <= STILL_FALLING_ALONE_NATS and _has_snapshot(s, layout):
+        if falling and not moved and max(d[0] for d, _ in falling) <= STILL_FALLING_ALONE_NATS and _has_snapshot(s, layout):
             falling = []  # the iterates' loss falls as the step size decays, the returned means stay put: converged
         if falling:
             (drop, se, n_prev, start_prev, start_cur), how = falling[0]
