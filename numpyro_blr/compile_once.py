@@ -55,6 +55,7 @@ import pathlib
 import threading
 import types
 import warnings
+import weakref
 
 import jax
 import jax.numpy as jnp
@@ -207,6 +208,9 @@ def _freeze(value, depth=0):
         return ("dict",) + tuple(sorted(((str(k), _freeze(v, depth + 1)) for k, v in value.items()), key=repr))
     if depth < 4 and type(value).__module__.startswith("numpyro_blr") and hasattr(value, "__dict__"):
         return (type(value).__qualname__,) + _freeze(vars(value), depth + 1)
+    if depth < 4 and type(value) is functools.partial:  # init_to_median(num_samples=15) is a new partial each call
+        return ("partial", _freeze(value.func, depth + 1), _freeze(value.args, depth + 1),
+                _freeze(value.keywords, depth + 1))
     return ("id", id(value))
 
 
@@ -219,6 +223,44 @@ def _optimizer_key(optim):
         config = {k: v for k, v in vars(optim).items() if k not in ("algorithm", "_traced_layouts")}
         return (type(optim).__qualname__, _freeze(config))
     return ("id", id(optim))
+
+
+def _pristine_autoguide(guide):
+    """One of NumPyro's autoguides that has not been set up: a program traces its setup, so its class and
+    options alone decide the program."""
+    return (type(guide).__module__ == "numpyro.infer.autoguide" and getattr(guide, "prototype_trace", False) is None
+            and not hasattr(guide, "_guides"))  # an AutoGuideList's parts hold setups of their own
+
+
+_GUIDE_KEYS = weakref.WeakKeyDictionary()  # an autoguide set up by fit -> (its key, its attributes as built)
+
+
+def _guide_key(guide):
+    """``(key, attributes as built)``: a NumPyro autoguide by its class and options while :func:`fit` sets it
+    up (built anew for each fit, ``nb.fit(model, AutoNormal(model), ...)`` reuses the program), and after (the
+    setup values a program left in it are that program's); any other guide by the object itself, with ``None``
+    (a guide set up before, a function: its values are constants of the program)."""
+    try:
+        known = _GUIDE_KEYS.get(guide)
+    except TypeError:  # not weakly referable, or unhashable
+        known = None
+    if known is not None:
+        return known
+    if _pristine_autoguide(guide):
+        cls = type(guide)
+        return ("options", cls.__module__, cls.__qualname__, _freeze(vars(guide))), _vars_copy(guide)
+    return ("id", id(guide)), None
+
+
+def _vars_copy(obj):
+    """``obj``'s attributes, its top-level dicts and lists copied (an autoguide's setup fills some in place)."""
+    return {k: (type(v)(v) if type(v) in (dict, list) else v) for k, v in vars(obj).items()}
+
+
+def _assign_vars(obj, saved):
+    d = vars(obj)
+    d.clear()
+    d.update({k: (type(v)(v) if type(v) in (dict, list) else v) for k, v in saved.items()})
 
 
 def _loss_key(loss):
@@ -803,6 +845,11 @@ class _Program:
         self.disk = disk  # what keys the program on disk besides its traced start (_disk_config); None: not on disk
         self._compiled = {}  # (name, input avals) -> (callable, key of the traced start): the disk cache's programs
         self._stale = None  # the tracers of a start traced for the key only, which the program's own trace replaces
+        # A NumPyro autoguide whose setup the program traces: its attributes before any setup, and after the fit on
+        # arguments of each abstract signature (a model whose latent sites' shapes follow the data's needs the setup
+        # of those shapes: a new signature is traced from the guide as built, a known one gets its setup back)
+        self._pristine = _vars_copy(self.owner) if _pristine_autoguide(self.owner) else None
+        self._setups = {}
         jit = functools.partial(jax.jit, compiler_options=compiler_options) if compiler_options else jax.jit
         self._jit = jit
         self._run = jit(self._run_fn)
@@ -997,6 +1044,7 @@ class _Program:
         and the key of the traced start (``None`` off the disk cache)."""
         with self.lock:
             base, snapshot = None, None
+            sig = self._use_setup(rng_key, data)
             if isinstance(fn, str):
                 name = fn
                 fn, base, snapshot = self._start_program(name, rng_key, data)
@@ -1020,7 +1068,23 @@ class _Program:
                 ids = {id(t) for t in stale}
                 if any(id(t) in ids for t in _leaked_tracers(self.svi)):
                     self._resetup(rng_key, data)
+            if sig is not None and not self.needs_setup():
+                self._setups[sig] = _vars_copy(self.owner)
         return result, base
+
+    def _use_setup(self, rng_key, data, known_only=False):
+        """Before a program that starts a fit: the guide as set up for arguments of these shapes by an earlier call,
+        or as built (its setup is then traced; with ``known_only``, as it is). Returns the arguments' abstract
+        signature (``None`` for a guide whose setup is not the program's)."""
+        if self._pristine is None:
+            return None
+        try:
+            sig = _avals_text((rng_key, data))
+        except Exception:  # noqa: BLE001 - keep the guide as it is
+            return None
+        if sig in self._setups or not known_only:
+            _assign_vars(self.owner, self._setups.get(sig, self._pristine))
+        return sig
 
     # -- the disk cache (enable_compilation_cache) ----------------------------------------------------------
     def _snapshot(self):
@@ -1165,6 +1229,9 @@ class _Program:
         if init_state is None:
             result, base = self._call("init", rng_key, data)
             init_state = result[0]  # the disk cache's start also gives the loss there
+        else:  # a fit continued: the guide as set up for these shapes, where a fit of them set it up
+            with self.lock:
+                self._use_setup(rng_key, data, known_only=True)
         state, losses = self._continue(init_state, data, progress_bar, base)
         with self.lock:
             params = self._later_program("params", (state,), base)(state)
@@ -1288,8 +1355,11 @@ def fit(model, guide, *args, optim=None, num_steps=1000, rng_key=None, loss=None
     non-array arguments); JAX keys it further by the arrays' shapes and dtypes. A refit with new
     data of the same shapes therefore costs the steps alone, in this process; across processes, see
     :func:`enable_compilation_cache`. Our optimizers are keyed by their configuration (a new
-    ``nb.BLR()`` with the same options reuses the program); other optimizers, guides and models by the
-    object itself.
+    ``nb.BLR()`` with the same options reuses the program), NumPyro's autoguides by their class and options
+    while this sets them up (``nb.fit(model, AutoNormal(model), ...)`` for each data set reuses the program,
+    and the new guide is set up afterwards as the first one was: :func:`_guide_key`); other optimizers,
+    guides and models by the object itself. New shapes set the guide up for them (a latent site per
+    observation takes the data's length), and each shape's setup is kept for its refits.
     """
     from numpyro_blr.optim import BLR
     from numpyro_blr.svi import run_with_rerun
@@ -1315,13 +1385,16 @@ def fit(model, guide, *args, optim=None, num_steps=1000, rng_key=None, loss=None
     check_data(model, args, kwargs, shapes=False)  # NaN/inf in the data: on the concrete arrays, before the program
 
     def once(optim):
-        key = (id(model), id(guide), _optimizer_key(optim), _loss_key(loss), num_steps, chunk, bool(stable_update),
+        guide_key, built = _guide_key(guide)
+        key = (id(model), guide_key, _optimizer_key(optim), _loss_key(loss), num_steps, chunk, bool(stable_update),
                signature, effort, _DISK["dir"])
         with _CACHE_LOCK:
             program = _CACHE.get(key)
             if program is not None:
                 _CACHE.move_to_end(key)
         if program is None:
+            if built is not None and not _pristine_autoguide(guide):  # set up by a program since dropped: as built
+                _assign_vars(guide, built)
             options = _compiler_options(effort)
             disk = _disk_config(optim, loss, num_steps, chunk, bool(stable_update), signature, effort, options)
             program = _Program(model, guide, optim, loss, num_steps=num_steps, chunk=chunk, stable_update=bool(stable_update),
@@ -1331,6 +1404,10 @@ def fit(model, guide, *args, optim=None, num_steps=1000, rng_key=None, loss=None
                 while len(_CACHE) > _CACHE_SIZE:
                     _CACHE.popitem(last=False)
         state, losses, params = program.run(rng_key, (data, {}), init_state, progress_bar)
+        if built is not None:  # the program's guide is set up now: so is this one, alike
+            if program.owner is not guide:
+                _assign_vars(guide, vars(program.owner))
+            _GUIDE_KEYS[guide] = (guide_key, built)
         warn = getattr(optim, "warn", None)
         if warn is not None:  # the end-of-run warnings svi.run's get_params gives
             warn(state.optim_state, stacklevel=5)  # the caller of fit (once, run_with_rerun, fit)

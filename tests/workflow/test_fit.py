@@ -189,6 +189,61 @@ def test_refit_with_new_data_does_not_compile(compiles):
     assert compiles.count == 0
 
 
+def local_means(y=None):
+    """A latent site per observation: the guide's parameters take the data's shape."""
+    mu = numpyro.sample("mu", dist.Normal(0.0, 5.0))
+    with numpyro.plate("n", y.shape[0]):
+        z = numpyro.sample("z", dist.Normal(mu, 1.0))
+        numpyro.sample("y", dist.Normal(z, 0.5), obs=y)
+
+
+@pytest.mark.slow
+def test_a_new_autoguide_with_the_same_options_reuses_the_program(compiles):
+    """``nb.fit(model, AutoNormal(model), ...)`` with a guide built anew for each fit: the setup is traced into the
+    program, so the guide's class and options decide it, and the new guide is set up after the fit."""
+    x, y = data(seed=0)
+    first = nb.fit(regression, AutoNormal(regression), x, y=y, num_steps=30, progress_bar=False)
+    x2, y2 = data(seed=1, slope=-1.0)
+    guide = AutoNormal(regression)
+    with compiles:
+        res = nb.fit(regression, guide, x2, y=y2, num_steps=30, progress_bar=False)
+    assert compiles.count == 0
+    ref = SVI(regression, AutoNormal(regression), nb.BLR(), nb.Trace_ELBO()).run(jax.random.PRNGKey(0), 30, x2, y=y2,
+                                                                               progress_bar=False)
+    for k in ref.params:
+        np.testing.assert_allclose(res.params[k], ref.params[k], rtol=1e-5, atol=1e-6)
+    leaves = jax.tree.leaves([site.get("value") for site in guide.prototype_trace.values()])
+    assert leaves and not any(isinstance(v, jax.core.Tracer) for v in leaves)
+    assert float(guide.median(res.params)["s"]) > 0
+    # other options are another program, and give their own fit
+    with compiles:
+        other = nb.fit(regression, AutoNormal(regression, init_scale=0.5), x, y=y, num_steps=30, progress_bar=False)
+    assert compiles.count > 0
+    assert not np.allclose(other.losses[:3], first.losses[:3])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("guide_cls", [AutoNormal, AutoMultivariateNormal])
+def test_latent_sites_that_follow_the_data_refit_on_new_shapes(guide_cls):
+    """The same guide object on data of another length, then back: each fit sets the guide up for its shapes
+    (before, the second fit read the first one's setup and failed: "Model and guide shapes disagree")."""
+    ys = {n: np.random.default_rng(n).normal(1.0, 1.0, n) for n in (20, 33)}
+    fresh = {n: nb.fit(local_means, guide_cls(local_means), y=ys[n], num_steps=40, progress_bar=False) for n in ys}
+    guide = guide_cls(local_means)
+    for n in (20, 33, 20, 33):
+        res = nb.fit(local_means, guide, y=ys[n], num_steps=40, progress_bar=False)
+        np.testing.assert_array_equal(res.losses, fresh[n].losses)
+        assert guide.median(res.params)["z"].shape == (n,)
+        draws = guide.sample_posterior(jax.random.PRNGKey(1), res.params, sample_shape=(3,))
+        assert draws["z"].shape == (3, n)
+    # a fit continued on the shorter data after a fit of the longer: the guide as set up for the shorter
+    half = nb.fit(local_means, guide, y=ys[20], num_steps=20, progress_bar=False)
+    nb.fit(local_means, guide, y=ys[33], num_steps=20, progress_bar=False)
+    resumed = nb.fit(local_means, guide, y=ys[20], num_steps=20, progress_bar=False, init_state=half.state)
+    np.testing.assert_allclose(jnp.concatenate([half.losses, resumed.losses]), fresh[20].losses, rtol=1e-6)
+    assert guide.median(resumed.params)["z"].shape == (20,)
+
+
 @pytest.mark.slow
 def test_new_shapes_recompile_silently():
     guide = AutoNormal(regression)
