@@ -252,6 +252,15 @@ def _guide_key(guide):
     return ("id", id(guide)), None
 
 
+def _built(guide):
+    """The attributes as built of an autoguide that :func:`fit` set up, else ``None``."""
+    try:
+        known = _GUIDE_KEYS.get(guide)
+    except TypeError:
+        return None
+    return None if known is None else known[1]
+
+
 def _vars_copy(obj):
     """``obj``'s attributes, its top-level dicts and lists copied (an autoguide's setup fills some in place)."""
     return {k: (type(v)(v) if type(v) in (dict, list) else v) for k, v in vars(obj).items()}
@@ -848,7 +857,7 @@ class _Program:
         # A NumPyro autoguide whose setup the program traces: its attributes before any setup, and after the fit on
         # arguments of each abstract signature (a model whose latent sites' shapes follow the data's needs the setup
         # of those shapes: a new signature is traced from the guide as built, a known one gets its setup back)
-        self._pristine = _vars_copy(self.owner) if _pristine_autoguide(self.owner) else None
+        self._pristine = _vars_copy(self.owner) if _pristine_autoguide(self.owner) else _built(self.owner)
         self._setups = {}
         jit = functools.partial(jax.jit, compiler_options=compiler_options) if compiler_options else jax.jit
         self._jit = jit
@@ -1003,6 +1012,7 @@ class _Program:
         first = (data[0], {**data[1], **jax.tree.map(lambda v: v[0], batch)})
         self.setup_eagerly(lambda: jax.random.split(rng_keys[0])[0], first)
         with self.lock:
+            sig = self._use_setup((rng_keys, data, batch, init_params))
             try:
                 *result, leaked = self._chain(rng_keys, data, batch, init_params)
             except Exception:
@@ -1011,6 +1021,7 @@ class _Program:
                 raise
             self.setup.restore(self.svi, (rng_keys, data, batch, init_params), leaked,
                                lambda: self._resetup(rng_keys[0], first))
+            self._keep_setup(sig)
         return result
 
     def needs_setup(self):
@@ -1044,7 +1055,7 @@ class _Program:
         and the key of the traced start (``None`` off the disk cache)."""
         with self.lock:
             base, snapshot = None, None
-            sig = self._use_setup(rng_key, data)
+            sig = self._use_setup((rng_key, data))
             if isinstance(fn, str):
                 name = fn
                 fn, base, snapshot = self._start_program(name, rng_key, data)
@@ -1068,18 +1079,21 @@ class _Program:
                 ids = {id(t) for t in stale}
                 if any(id(t) in ids for t in _leaked_tracers(self.svi)):
                     self._resetup(rng_key, data)
-            if sig is not None and not self.needs_setup():
-                self._setups[sig] = _vars_copy(self.owner)
+            self._keep_setup(sig)
         return result, base
 
-    def _use_setup(self, rng_key, data, known_only=False):
-        """Before a program that starts a fit: the guide as set up for arguments of these shapes by an earlier call,
-        or as built (its setup is then traced; with ``known_only``, as it is). Returns the arguments' abstract
-        signature (``None`` for a guide whose setup is not the program's)."""
+    def _keep_setup(self, sig):
+        if sig is not None and not self.needs_setup():
+            self._setups[sig] = _vars_copy(self.owner)
+
+    def _use_setup(self, args, known_only=False):
+        """Before a program that starts a fit (or many) on ``args``: the guide as set up for arguments of these shapes
+        by an earlier call, or as built (its setup is then traced; with ``known_only``, as it is). Returns the
+        arguments' abstract signature (``None`` for a guide whose setup is not the program's)."""
         if self._pristine is None:
             return None
         try:
-            sig = _avals_text((rng_key, data))
+            sig = _avals_text(args)
         except Exception:  # noqa: BLE001 - keep the guide as it is
             return None
         if sig in self._setups or not known_only:
@@ -1213,9 +1227,11 @@ class _Program:
         first = (data[0], {**data[1], **jax.tree.map(lambda v: v[0], batch)})
         self.setup_eagerly(lambda: jax.random.split(rng_keys[0])[0], first)
         with self.lock:
+            sig = self._use_setup((rng_keys, data, batch, init_params))
             *result, leaked = self._many(rng_keys, data, batch, init_params)
             self.setup.restore(self.svi, (rng_keys, data, batch, init_params), leaked,
                                lambda: self._resetup(rng_keys[0], first))
+            self._keep_setup(sig)
         return result
 
     def run(self, rng_key, data, init_state, progress_bar):
@@ -1231,7 +1247,7 @@ class _Program:
             init_state = result[0]  # the disk cache's start also gives the loss there
         else:  # a fit continued: the guide as set up for these shapes, where a fit of them set it up
             with self.lock:
-                self._use_setup(rng_key, data, known_only=True)
+                self._use_setup((rng_key, data), known_only=True)
         state, losses = self._continue(init_state, data, progress_bar, base)
         with self.lock:
             params = self._later_program("params", (state,), base)(state)

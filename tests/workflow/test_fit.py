@@ -245,6 +245,20 @@ def test_latent_sites_that_follow_the_data_refit_on_new_shapes(guide_cls):
 
 
 @pytest.mark.slow
+def test_kfold_with_the_guide_of_a_fit_on_data_of_another_length():
+    """The workflow's programs set the guide up for their shapes too (they read the fit's setup before and failed)."""
+    from numpyro_blr import workflow as wf
+
+    ys = {n: np.random.default_rng(n).normal(1.0, 1.0, n) for n in (8, 12)}
+    guide = AutoNormal(local_means)
+    nb.fit(local_means, guide, y=ys[8], num_steps=20, progress_bar=False)
+    for n in (12, 8):
+        cv = wf.kfold(local_means, guide, y=ys[n], k=2, num_steps=20, warm_start=False)
+        assert cv.n_data_points == n and np.isfinite(cv.elpd)
+        assert guide.prototype_trace["z"]["value"].shape == (n,)
+
+
+@pytest.mark.slow
 def test_new_shapes_recompile_silently():
     guide = AutoNormal(regression)
     with warnings.catch_warnings():
