@@ -240,10 +240,7 @@ def _guide_key(guide):
     up (built anew for each fit, ``nb.fit(model, AutoNormal(model), ...)`` reuses the program), and after (the
     setup values a program left in it are that program's); any other guide by the object itself, with ``None``
     (a guide set up before, a function: its values are constants of the program)."""
-    try:
-        known = _GUIDE_KEYS.get(guide)
-    except TypeError:  # not weakly referable, or unhashable
-        known = None
+    known = _registered(guide)
     if known is not None:
         return known
     if _pristine_autoguide(guide):
@@ -252,24 +249,32 @@ def _guide_key(guide):
     return ("id", id(guide)), None
 
 
+def _registered(guide):
+    try:
+        return _GUIDE_KEYS.get(guide)
+    except TypeError:  # not weakly referable, or unhashable
+        return None
+
+
 def _built(guide):
     """The attributes as built of an autoguide that :func:`fit` set up, else ``None``."""
-    try:
-        known = _GUIDE_KEYS.get(guide)
-    except TypeError:
-        return None
+    known = _registered(guide)
     return None if known is None else known[1]
 
 
+def _copied(attributes):
+    """The attributes with their top-level dicts and lists copied (an autoguide's setup fills some in place)."""
+    return {k: (type(v)(v) if type(v) in (dict, list) else v) for k, v in attributes.items()}
+
+
 def _vars_copy(obj):
-    """``obj``'s attributes, its top-level dicts and lists copied (an autoguide's setup fills some in place)."""
-    return {k: (type(v)(v) if type(v) in (dict, list) else v) for k, v in vars(obj).items()}
+    return _copied(vars(obj))
 
 
 def _assign_vars(obj, saved):
     d = vars(obj)
     d.clear()
-    d.update({k: (type(v)(v) if type(v) in (dict, list) else v) for k, v in saved.items()})
+    d.update(_copied(saved))
 
 
 def _loss_key(loss):
