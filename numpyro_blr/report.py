@@ -430,14 +430,20 @@ def fit_report(result, optimizer=None, guide=None):
     A run shorter than ``MIN_STEPS`` steps is reported as too short to judge (its convergence checks are
     averages over the steps).
     """
+    from numpyro_blr.liegroup_guide import LieGroupBLR, LieSVIState, liegroup_fit_report
+
+    _, s = _opt_state(result)
+    if isinstance(s.algorithm, LieSVIState):  # a LieGroupBLR run gets its own report
+        return liegroup_fit_report(result, optimizer if isinstance(optimizer, LieGroupBLR) else LieGroupBLR(guide=guide))
+    return evidence_report(result, optimizer, guide)
+
+
+def evidence_report(result, optimizer=None, guide=None):
+    """:func:`fit_report`'s checks on any run whose optimizer keeps a :class:`FitTrace` (the evidence the Lie-group
+    report reads and words for its guide)."""
     from numpyro_blr.optim import BLR  # local: optim imports this module lazily
 
     step, s = _opt_state(result)
-    if optimizer is None:  # a LieGroupBLR run gets its own report
-        from numpyro_blr.liegroup_guide import LieGroupBLR, LieSVIState, liegroup_fit_report
-
-        if isinstance(s.algorithm, LieSVIState):
-            return liegroup_fit_report(result, LieGroupBLR(guide=guide))
     optimizer = optimizer or BLR()
     if guide is not None and guide is not getattr(optimizer, "guide", None):  # the optimizer's own guide is read
         check_guide_params(guide, s.params, "fit_report", unconstrained=True)  # by its layout: no extra trace
