@@ -1,6 +1,6 @@
 # make demo : create .venv with Python >= 3.12, install, run the main example on real data
-# make test : create .venv, install, run the test suite (all of it: what CI runs; ~8.5-9 min cold on 2 cores: 8:23, 8:46 and 8:59 in this stop's clean-clone CI runs, 661 tests)
-# make test-fast: the same without the tests marked slow (pytest -m "not slow"): ~2 min cold on 2 cores (measured 2:03-2:08, 452 tests)
+# make test : create .venv, install, run the test suite (all of it: what CI runs; ~8.5-10 min cold on 2 cores, with the machine's load: 10:00 in this stop's clean-clone CI run, 665 tests, where the last stop's tree took 9:57 in the same hour and 8:23-8:59 at that stop)
+# make test-fast: the same without the tests marked slow (pytest -m "not slow"): ~2-2.5 min cold on 2 cores (this stop 2:21, the last stop's tree 2:17 in the same hour and 2:03-2:08 at that stop; 448 tests)
 # make bench: run the benchmarks (ratios against NumPyro's Adam measured in the same run)
 VENV := .venv
 PY := $(VENV)/bin/python
