@@ -381,10 +381,12 @@ class LieBlock:
 DEFAULT_LR = (0.5, 10.0)  # adaptive_decay(init_value, halving_steps): nb.BLR()'s default schedule
 CURVATURE_DRAWS = 8  # extra draws of the joint mean step's gradient and Hessian (LieGroupBLR(curvature_draws=...))
 BACKTRACK_TRIES = 8
-DRIFT_SDS = 2.0  # the report: a loss falling by STILL_FALLING_SES standard errors and DRIFT_NATS while a returned mean
-DRIFT_NATS = 0.75  # moved DRIFT_SDS sds since the block began is a drift, below STILL_FALLING_NATS too (stochastic
-# volatility, float32: 1.33 +- 0.36 nats, the walk's scale 4.3 sd, 1.5 nats short of the mean-field optimum after 1,000
-# steps); a converged centred eight schools read 0.35 +- 0.09 nats with a location 2 sds off its snapshot (the funnel)
+# The report's drift: a loss falling by STILL_FALLING_SES standard errors and DRIFT_NATS nats while a returned location
+# moved DRIFT_SDS sds since the last block began is reported below STILL_FALLING_NATS too (float32 stochastic volatility:
+# 1.33 +- 0.36 nats, the walk's scale 4.3 sd, 1.5 nats short of the mean-field optimum after 1,000 steps); a converged
+# centred eight schools read 0.35 +- 0.09 nats with a location 2 sds off its snapshot (the funnel).
+DRIFT_SDS = 2.0
+DRIFT_NATS = 0.75
 JOINT_MAX_DIM = 256  # the joint mean step (a dense Hessian per step) up to this many shift coordinates, as nb.BLR
 
 
