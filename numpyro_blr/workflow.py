@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import math
 import warnings
+import weakref
 from typing import NamedTuple
 
 import jax
@@ -97,6 +98,35 @@ class _Unobserve(Messenger):
 # wrapped models and guides are made once per user model (and site), so that the compiled fits are
 # found again by fit's cache (keyed by the model and guide objects)
 _WRAPPERS: dict = {}
+
+# NumPyro's autoguides by class and options -> the guide object the programs are built with (held while a
+# program or the user holds it)
+_CANONICAL = weakref.WeakValueDictionary()
+
+
+def _canonical(guide):
+    """``(program guide, setup)``: the guide the programs are built and keyed with. One of NumPyro's
+    autoguides, not set up or set up by :func:`numpyro_blr.fit`, is keyed by its class and options
+    (:func:`numpyro_blr.compile_once._guide_key`): ``kfold(model, AutoNormal(model), ...)`` with a guide
+    built anew reuses the programs of the first such guide, whose setup :func:`_adopt` then copies into
+    it, as ``nb.fit`` does. Any other guide is its own program guide (``setup`` ``None``)."""
+    guide_key, built = _fit._guide_key(guide)
+    if built is None:
+        return guide, None
+    canon = _CANONICAL.get(guide_key)
+    if canon is None:
+        _CANONICAL[guide_key] = canon = guide
+    if _fit._registered(canon) is None:  # its pristine attributes: each program's starting point (_Program._pristine)
+        _fit._GUIDE_KEYS[canon] = (guide_key, built)
+    return canon, (guide_key, built)
+
+
+def _adopt(guide, canon, setup):
+    """Set ``guide`` up as the programs set up ``canon`` (nothing to do when they are one object)."""
+    if setup is None or canon is guide:
+        return
+    _fit._assign_vars(guide, vars(canon))
+    _fit._GUIDE_KEYS[guide] = setup
 
 
 def _wrapper(kind, model, guide, site=None):
@@ -362,8 +392,9 @@ def kfold(model, guide, *args, k=10, obs=None, folds=None, optim=None, num_steps
     masks = np.ones((k + 1, n), dtype=bool)  # row j: fold j held out; the last row: the full data (for p)
     for j in range(k):
         masks[j, folds == j] = False
-    wmodel, wguide = _wrapper("mask", model, guide, site.name)
-    post = (_pointwise_lpd, model, guide, site.name, num_draws, "_nb_train_mask")
+    pguide, setup = _canonical(guide)
+    wmodel, wguide = _wrapper("mask", model, pguide, site.name)
+    post = (_pointwise_lpd, model, pguide, site.name, num_draws, "_nb_train_mask")
     keys = np.stack(fit_keys)
     if _resolve_warm_start(warm_start, result):
         # one loop: the full data first (from the guide's initialisation, or from result), then each fold from it
@@ -372,16 +403,17 @@ def kfold(model, guide, *args, k=10, obs=None, folds=None, optim=None, num_steps
         work = (steps if init_params is not None else num_steps) + k * steps
         order = np.r_[k, :k]  # the full data first; the arrays stay on the host (an index on the device compiles)
         program, data = _program(wmodel, wguide, args, kwargs, {"_nb_train_mask": masks}, optim=optim,
-                                 num_steps=num_steps, loss=loss, post=post, batch_size=1, owner=guide,
+                                 num_steps=num_steps, loss=loss, post=post, batch_size=1, owner=pguide,
                                  compile_effort=compile_effort, warm_steps=steps, work_steps=work)
         states, _, _, lpd = program.chain(keys, data, {"_nb_train_mask": masks[order]}, init_params)
         back = np.r_[1:k + 1, 0]
         states, lpd = jax.tree.map(lambda x: np.asarray(x)[back], jax.device_get((states, lpd)))
     else:
         program, data = _program(wmodel, wguide, args, kwargs, {"_nb_train_mask": masks}, optim=optim,
-                                 num_steps=num_steps, loss=loss, post=post, batch_size=batch_size or k + 1, owner=guide,
-                                 compile_effort=compile_effort)
+                                 num_steps=num_steps, loss=loss, post=post, batch_size=batch_size or k + 1,
+                                 owner=pguide, compile_effort=compile_effort)
         states, losses, params, lpd = program.many(keys, data, {"_nb_train_mask": jnp.asarray(masks)})
+    _adopt(guide, pguide, setup)
     importer.join()
     from arviz_stats.utils import ELPDDataLOOKFold
     import xarray as xr
@@ -456,19 +488,21 @@ def reloo(model, guide, *args, result=None, k_threshold=0.7, obs=None, optim=Non
         return loo
     masks = np.ones((bad.size, n), dtype=bool)
     masks[np.arange(bad.size), bad] = False
-    wmodel, wguide = _wrapper("mask", model, guide, site.name)
-    post = (_pointwise_lpd, model, guide, site.name, num_draws, "_nb_train_mask")
+    pguide, setup = _canonical(guide)
+    wmodel, wguide = _wrapper("mask", model, pguide, site.name)
+    post = (_pointwise_lpd, model, pguide, site.name, num_draws, "_nb_train_mask")
     refit_keys, batch = jax.random.split(refit_key, bad.size), {"_nb_train_mask": jnp.asarray(masks)}
     if warm:  # one loop, every refit from the full-data fit's q
         program, data = _program(wmodel, wguide, args, kwargs, {"_nb_train_mask": masks}, optim=optim,
-                                 num_steps=num_steps, loss=loss, post=post, batch_size=1, owner=guide,
+                                 num_steps=num_steps, loss=loss, post=post, batch_size=1, owner=pguide,
                                  compile_effort=compile_effort, warm_steps=steps, work_steps=int(bad.size) * steps)
         states, _, _, lpd = program.chain(refit_keys, data, batch, params)
     else:
         program, data = _program(wmodel, wguide, args, kwargs, {"_nb_train_mask": masks}, optim=optim,
                                  num_steps=num_steps, loss=loss, post=post, batch_size=batch_size or int(bad.size),
-                                 owner=guide, compile_effort=compile_effort)
+                                 owner=pguide, compile_effort=compile_effort)
         states, _, _, lpd = program.many(refit_keys, data, batch)
+    _adopt(guide, pguide, setup)
     _warn_fits(program, states, "leave-one-out", [f"without observation {i}" for i in bad])
     exact = np.asarray(lpd, dtype=np.float64)[np.arange(bad.size), bad]
     ll = np.asarray(tree["log_likelihood"][site.name]).reshape(num_draws, -1)  # chain 1 x draws
@@ -582,6 +616,28 @@ def _ecdf_band(num_datasets, num_draws, level=0.95, sims=2000, seed=0):
     return float(np.quantile(np.max(np.abs(ecdf - u), axis=1), level))
 
 
+_SIMULATORS: dict = {}
+
+
+def _simulator(model, names, latent, num_datasets, args, kwargs):
+    """``key -> {site: (num_datasets, ...)}``: the prior predictive at the ``latent`` sites and the sites
+    ``names``, one compiled program per model, sites and argument shapes (the arguments are its inputs, so
+    a second :func:`sbc` of the model compiles nothing)."""
+    arrays, rebuild, signature = _fit._split(args, kwargs)
+    key = (id(model), tuple(names), tuple(latent), num_datasets, signature)
+    entry = _SIMULATORS.get(key)
+    if entry is None:
+        predictive = Predictive(_Unobserve(model, names), num_samples=num_datasets, return_sites=list(latent) + list(names))
+
+        def simulate(rng_key, arrays):
+            a, kw = rebuild(arrays)
+            return predictive(rng_key, *a, **kw)
+
+        entry = _SIMULATORS[key] = (model, jax.jit(simulate))  # the model held: its id stays its own
+    arrays = [jnp.asarray(x) if isinstance(x, np.ndarray) else x for x in arrays]
+    return lambda rng_key: entry[1](rng_key, arrays)
+
+
 def sbc(model, guide, *args, num_datasets=100, num_draws=99, obs=None, optim=None, num_steps=1000, rng_key=None,
         loss=None, batch_size=None, compile_effort="auto", **kwargs):
     r"""Simulation-based calibration of ``guide`` fitted with ``optim`` on ``model``, all fits in one program.
@@ -614,15 +670,17 @@ def sbc(model, guide, *args, num_datasets=100, num_draws=99, obs=None, optim=Non
     _fit._check_guide(model, guide)
     rng_key = jax.random.PRNGKey(0) if rng_key is None else rng_key
     sim_key, fit_key = jax.random.split(rng_key)
-    sims = Predictive(_Unobserve(model, names), num_samples=num_datasets, return_sites=latent + names)(sim_key, *args, **kwargs)
+    sims = _simulator(model, names, latent, num_datasets, args, kwargs)(sim_key)
     truth = {s: sims[s] for s in latent}
     simulated = {s: sims[s] for s in names}
-    wmodel, wguide = _wrapper("replace", model, guide)
-    post = (_ranks, guide, tuple(latent), num_draws, "_nb_observations")
+    pguide, setup = _canonical(guide)
+    wmodel, wguide = _wrapper("replace", model, pguide)
+    post = (_ranks, pguide, tuple(latent), num_draws, "_nb_observations")
     program, data = _program(wmodel, wguide, args, kwargs, {"_nb_observations": simulated}, optim=optim,
-                             num_steps=num_steps, loss=loss, post=post, batch_size=batch_size or num_datasets, owner=guide,
-                             compile_effort=compile_effort)
+                             num_steps=num_steps, loss=loss, post=post, batch_size=batch_size or num_datasets,
+                             owner=pguide, compile_effort=compile_effort)
     states, _, _, draws = program.many(jax.random.split(fit_key, num_datasets), data, {"_nb_observations": simulated})
+    _adopt(guide, pguide, setup)
     ranks = {s: np.asarray(jnp.sum(draws[s] < truth[s][:, None], axis=1)) for s in latent}
     flagged = _warn_fits(program, states, "SBC", list(range(num_datasets)))
     return SBCResult(ranks=ranks, truth={s: np.asarray(v) for s, v in truth.items()}, num_draws=num_draws,

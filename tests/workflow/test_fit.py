@@ -250,6 +250,34 @@ def test_kfold_with_the_guide_of_a_fit_on_data_of_another_length():
 
 
 @pytest.mark.slow
+def test_workflow_with_a_guide_built_anew_reuses_its_programs(compiles):
+    """kfold/reloo/sbc(model, AutoNormal(model), ...) called again with a new guide of the same options: the
+    programs of the first are reused (they compiled everything again before), with the same results, and the
+    new guide is set up afterwards as the first was."""
+    from numpyro_blr import workflow as wf
+
+    y = np.random.default_rng(3).normal(1.0, 1.0, 10)
+    first = wf.kfold(local_means, AutoNormal(local_means), y=y, k=5, num_steps=30, num_draws=50)
+    s_first = wf.sbc(local_means, AutoNormal(local_means), y=y, num_datasets=4, num_draws=9, num_steps=30)
+    fresh, fresh_sbc = AutoNormal(local_means), AutoNormal(local_means)
+    with compiles:
+        again = wf.kfold(local_means, fresh, y=y, k=5, num_steps=30, num_draws=50)
+        s_again = wf.sbc(local_means, fresh_sbc, y=y, num_datasets=4, num_draws=9, num_steps=30)
+    assert compiles.count == 0
+    np.testing.assert_array_equal(np.asarray(again.elpd_i), np.asarray(first.elpd_i))
+    for site in s_first.ranks:
+        np.testing.assert_array_equal(s_again.ranks[site], s_first.ranks[site])
+    for g in (fresh, fresh_sbc):
+        leaves = jax.tree.leaves([site.get("value") for site in g.prototype_trace.values()])
+        assert leaves and not any(isinstance(v, jax.core.Tracer) for v in leaves)
+        assert g.prototype_trace["z"]["value"].shape == (10,)
+    # other options: other programs
+    with compiles:
+        wf.kfold(local_means, AutoNormal(local_means, init_scale=0.5), y=y, k=5, num_steps=30, num_draws=50)
+    assert compiles.count > 0
+
+
+@pytest.mark.slow
 def test_new_shapes_recompile_silently():
     guide = AutoNormal(regression)
     with warnings.catch_warnings():
