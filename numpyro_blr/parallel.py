@@ -418,7 +418,8 @@ def check_guide_memory(params, layout, device=None, points=False):
     Called by the optimizers' ``init``. ``D`` is each full-covariance block's dimension; the step holds
     about ``FULL_STEP_MATRICES`` ``D x D`` matrices (measured), replicated on every device of a data
     mesh. The message names ``D``, the bytes needed, the device's free memory and the alternatives
-    (``AutoLowRankMultivariateNormal`` with ``fallback=``, ``AutoNormal``/``AutoDiagonalNormal``).
+    (``AutoNormal``/``AutoDiagonalNormal``, or ``AutoLowRankMultivariateNormal`` with an optax or NumPyro
+    optimizer: nb.BLR has no update for its low-rank covariance and rejects it).
     """
     d, need = guide_memory(params, layout, points)
     if not need:
@@ -435,8 +436,9 @@ def check_guide_memory(params, layout, device=None, points=False):
             f"{_fmt(free)} free ({source}). A full covariance fits up to D = "
             f"{int((free / (FULL_STEP_MATRICES * 4)) ** 0.5)} in float32 here. Use a diagonal guide (AutoNormal or "
             "AutoDiagonalNormal: nb.BLR or nb.IVON keep D numbers, and shard_state splits them), or "
-            "AutoLowRankMultivariateNormal (fitted with fallback=optax.adam(...)), or split the latents into "
-            "several smaller blocks."
+            "AutoLowRankMultivariateNormal fitted with an optax or NumPyro optimizer (SVI(model, guide, "
+            "optax.adam(1e-2), Trace_ELBO()): nb.BLR has no update for its low-rank covariance), or split the "
+            "latents into several smaller blocks."
         )
 
 

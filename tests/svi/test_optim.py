@@ -212,9 +212,10 @@ def test_invalid_hyperparameters(kwargs, match):
 
 def test_unreadable_guide_names_parameters(small_logistic):
     X, y = small_logistic
-    svi = SVI(logistic_model, AutoLowRankMultivariateNormal(logistic_model), nb.BLR(), Trace_ELBO())
-    with pytest.raises(nb.GuideLayoutError, match="auto_cov_factor"):
-        svi.init(jax.random.PRNGKey(0), X, y)
+    for optim in (nb.BLR(), nb.BLR(fallback=optax.adam(1e-2))):  # a fallback does not take the covariance over
+        svi = SVI(logistic_model, AutoLowRankMultivariateNormal(logistic_model), optim, Trace_ELBO())
+        with pytest.raises(nb.GuideLayoutError, match="auto_cov_factor.*fit this guide with an optax optimizer"):
+            svi.init(jax.random.PRNGKey(0), X, y)
 
 
 def test_update_without_loss_is_rejected():
