@@ -1424,7 +1424,8 @@ def fit(model, guide, *args, optim=None, num_steps=1000, rng_key=None, loss=None
                 _CACHE[key] = program
                 while len(_CACHE) > _CACHE_SIZE:
                     _CACHE.popitem(last=False)
-        state, losses, params = program.run(rng_key, (data, {}), init_state, progress_bar)
+        with explain_traced_data(model, args, kwargs, "nb.fit"):
+            state, losses, params = program.run(rng_key, (data, {}), init_state, progress_bar)
         if built is not None:  # the program's guide is set up now: so is this one, alike
             if program.owner is not guide:
                 _assign_vars(guide, vars(program.owner))
@@ -1463,6 +1464,75 @@ def _argument_name(value, args, kwargs, model=None):
         if a is value:
             return label
     return None
+
+
+def _input_labels(model, args, kwargs):
+    """The labels of the program's array inputs, in :func:`_split`'s order (``argument 'X'``, a pytree
+    argument's leaves with their path)."""
+    import inspect
+
+    try:
+        params = list(inspect.signature(model).parameters.values())
+        positional = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    except (TypeError, ValueError):
+        positional = []
+    out = []
+    for path, leaf in jax.tree_util.tree_flatten_with_path((args, kwargs))[0]:
+        if not _is_data(leaf):
+            continue
+        top, key, rest = path[0].idx, path[1], path[2:]
+        if top == 0:
+            name = positional[key.idx] if key.idx < len(positional) else key.idx
+        else:
+            name = key.key
+        out.append(f"argument {name!r}" + jax.tree_util.keystr(tuple(rest)))
+    return out
+
+
+def _traced_argument(text, model, args, kwargs):
+    """The label of the data array a JAX tracer error names (``... the value of the argument data[0][2]``: the
+    program's third array input; ``args[0]``, ``kwargs['y']``: an abstract trace of the model's arguments), or
+    ``None`` where it names none."""
+    import re
+
+    found = re.search(r"argument data\[0\]\[(\d+)\]", text)
+    if found is not None:
+        labels = _input_labels(model, args, kwargs)
+        i = int(found.group(1))
+        return labels[i] if i < len(labels) else "an array argument"
+    found = re.search(r"argument args\[(\d+)\]", text)
+    if found is not None:
+        i = int(found.group(1))
+        labels = [label for label, _ in _arguments(model, args, kwargs)]
+        return labels[i] if i < len(labels) else f"argument {i}"
+    found = re.search(r"argument kwargs\['([^']+)'\]", text)
+    return None if found is None else f"argument {found.group(1)!r}"
+
+
+_TRACED_DATA_ERRORS = (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError,
+                       jax.errors.TracerIntegerConversionError, jax.errors.TracerBoolConversionError)
+
+
+@contextlib.contextmanager
+def explain_traced_data(model, args, kwargs, where):
+    """Around a program that takes the data as inputs: a model that reads a data array's values in Python
+    (``np.asarray(x)``, ``float(x.mean())``, an ``if`` on it), which ``SVI.run`` allows (it bakes the data
+    into its program), gets a ``TypeError`` naming the argument and what to do instead of JAX's tracer error."""
+    try:
+        yield
+    except _TRACED_DATA_ERRORS as err:
+        text = str(err)
+        which = _traced_argument(text, model, args, kwargs)
+        if which is None:  # not one of the data's arrays: the model's own values (svi.run fails on it too)
+            raise
+        raise TypeError(
+            f"{where}: the model reads the value of {which} in Python ({type(err).__name__}: np.asarray, float(), "
+            f"int() or an `if` on it). {where} passes the data to one compiled program as its inputs, so that a refit "
+            "with new data of the same shapes compiles nothing, and their values are not known while it is traced. "
+            "Compute such values with jax.numpy inside the model (jnp.mean(x), not float(np.mean(x))), or pass them "
+            "as Python numbers in another argument (a number is part of the program)"
+            + (", or fit with SVI(model, guide, optim, loss).run(...), which bakes the data into its program"
+               if where == "nb.fit" else "") + ". JAX: " + text.splitlines()[0]) from err
 
 
 def _array_arguments(model, args, kwargs):

@@ -157,7 +157,7 @@ class _Site(NamedTuple):
     shape: tuple
 
 
-def _trace_shapes(model, args, kwargs):
+def _trace_shapes(model, args, kwargs, where):
     """``{name: (type, is_observed, value shape, batch shape)}`` of the model's sample sites, traced
     abstractly (shapes only, no computation)."""
     out = {}
@@ -172,12 +172,13 @@ def _trace_shapes(model, args, kwargs):
                              bool(site["fn"].support.is_discrete))
         return 0
 
-    jax.eval_shape(run, args, kwargs)
+    with _fit.explain_traced_data(model, args, kwargs, where):
+        jax.eval_shape(run, args, kwargs)
     return out
 
 
 def _observed_site(model, args, kwargs, obs, where):
-    sites = _trace_shapes(model, args, kwargs)
+    sites = _trace_shapes(model, args, kwargs, where)
     observed = [n for n, s in sites.items() if s[0]]
     if not observed:
         raise WorkflowError(f"{where}: the model has no observed site (numpyro.sample(..., obs=data)) with these arguments.")
@@ -405,14 +406,16 @@ def kfold(model, guide, *args, k=10, obs=None, folds=None, optim=None, num_steps
         program, data = _program(wmodel, wguide, args, kwargs, {"_nb_train_mask": masks}, optim=optim,
                                  num_steps=num_steps, loss=loss, post=post, batch_size=1, owner=pguide,
                                  compile_effort=compile_effort, warm_steps=steps, work_steps=work)
-        states, _, _, lpd = program.chain(keys, data, {"_nb_train_mask": masks[order]}, init_params)
+        with _fit.explain_traced_data(model, args, kwargs, "kfold"):
+            states, _, _, lpd = program.chain(keys, data, {"_nb_train_mask": masks[order]}, init_params)
         back = np.r_[1:k + 1, 0]
         states, lpd = jax.tree.map(lambda x: np.asarray(x)[back], jax.device_get((states, lpd)))
     else:
         program, data = _program(wmodel, wguide, args, kwargs, {"_nb_train_mask": masks}, optim=optim,
                                  num_steps=num_steps, loss=loss, post=post, batch_size=batch_size or k + 1,
                                  owner=pguide, compile_effort=compile_effort)
-        states, losses, params, lpd = program.many(keys, data, {"_nb_train_mask": jnp.asarray(masks)})
+        with _fit.explain_traced_data(model, args, kwargs, "kfold"):
+            states, losses, params, lpd = program.many(keys, data, {"_nb_train_mask": jnp.asarray(masks)})
     _adopt(guide, pguide, setup)
     importer.join()
     from arviz_stats.utils import ELPDDataLOOKFold
@@ -496,12 +499,14 @@ def reloo(model, guide, *args, result=None, k_threshold=0.7, obs=None, optim=Non
         program, data = _program(wmodel, wguide, args, kwargs, {"_nb_train_mask": masks}, optim=optim,
                                  num_steps=num_steps, loss=loss, post=post, batch_size=1, owner=pguide,
                                  compile_effort=compile_effort, warm_steps=steps, work_steps=int(bad.size) * steps)
-        states, _, _, lpd = program.chain(refit_keys, data, batch, params)
+        with _fit.explain_traced_data(model, args, kwargs, "reloo"):
+            states, _, _, lpd = program.chain(refit_keys, data, batch, params)
     else:
         program, data = _program(wmodel, wguide, args, kwargs, {"_nb_train_mask": masks}, optim=optim,
                                  num_steps=num_steps, loss=loss, post=post, batch_size=batch_size or int(bad.size),
                                  owner=pguide, compile_effort=compile_effort)
-        states, _, _, lpd = program.many(refit_keys, data, batch)
+        with _fit.explain_traced_data(model, args, kwargs, "reloo"):
+            states, _, _, lpd = program.many(refit_keys, data, batch)
     _adopt(guide, pguide, setup)
     _warn_fits(program, states, "leave-one-out", [f"without observation {i}" for i in bad])
     exact = np.asarray(lpd, dtype=np.float64)[np.arange(bad.size), bad]
@@ -635,7 +640,11 @@ def _simulator(model, names, latent, num_datasets, args, kwargs):
 
         entry = _SIMULATORS[key] = (model, jax.jit(simulate))  # the model held: its id stays its own
     arrays = [jnp.asarray(x) if isinstance(x, np.ndarray) else x for x in arrays]
-    return lambda rng_key: entry[1](rng_key, arrays)
+    def run(rng_key):
+        with _fit.explain_traced_data(model, args, kwargs, "sbc"):
+            return entry[1](rng_key, arrays)
+
+    return run
 
 
 def sbc(model, guide, *args, num_datasets=100, num_draws=99, obs=None, optim=None, num_steps=1000, rng_key=None,
@@ -651,7 +660,7 @@ def sbc(model, guide, *args, num_datasets=100, num_draws=99, obs=None, optim=Non
     :param batch_size: fits vectorised at once (default: all).
     :returns: :class:`SBCResult` (``.summary()``, ``.calibrated()``, ``.plot(path)``).
     """
-    sites = _trace_shapes(model, args, kwargs)
+    sites = _trace_shapes(model, args, kwargs, "sbc")
     observed = [n for n, s in sites.items() if s[0]]
     latent = [n for n, s in sites.items() if not s[0]]
     if not observed:
@@ -679,7 +688,8 @@ def sbc(model, guide, *args, num_datasets=100, num_draws=99, obs=None, optim=Non
     program, data = _program(wmodel, wguide, args, kwargs, {"_nb_observations": simulated}, optim=optim,
                              num_steps=num_steps, loss=loss, post=post, batch_size=batch_size or num_datasets,
                              owner=pguide, compile_effort=compile_effort)
-    states, _, _, draws = program.many(jax.random.split(fit_key, num_datasets), data, {"_nb_observations": simulated})
+    with _fit.explain_traced_data(model, args, kwargs, "sbc"):
+        states, _, _, draws = program.many(jax.random.split(fit_key, num_datasets), data, {"_nb_observations": simulated})
     _adopt(guide, pguide, setup)
     ranks = {s: np.asarray(jnp.sum(draws[s] < truth[s][:, None], axis=1)) for s in latent}
     flagged = _warn_fits(program, states, "SBC", list(range(num_datasets)))

@@ -426,6 +426,37 @@ def test_bad_input_names_the_argument():
         nb.fit(model_two_inputs, AutoNormal(model_two_inputs), X, y=y[:25], num_steps=5, progress_bar=False)
 
 
+def reads_its_data_in_python(x, y=None):
+    """A model SVI.run fits (its data are constants of its program) but nb.fit cannot trace: it reads y's values."""
+    centre = float(np.mean(np.asarray(y)))
+    a = numpyro.sample("a", dist.Normal(centre, 5.0))
+    with numpyro.plate("n", x.shape[0]):
+        numpyro.sample("y", dist.Normal(a, 1.0), obs=y)
+
+
+def test_a_model_that_reads_its_data_in_python_is_told_what_to_do():
+    from numpyro_blr import workflow as wf
+
+    x, y = data(n=12)
+    SVI(reads_its_data_in_python, AutoNormal(reads_its_data_in_python), nb.BLR(), nb.Trace_ELBO()).run(
+        jax.random.PRNGKey(0), 10, x, y=y, progress_bar=False)  # svi.run: the data are constants, it runs
+    with pytest.raises(TypeError, match=r"nb.fit: the model reads the value of argument 'y' in Python "
+                                        r"\(TracerArrayConversionError.*jnp.mean.*SVI\(model, guide, optim, loss\).run"):
+        nb.fit(reads_its_data_in_python, AutoNormal(reads_its_data_in_python), x, y=y, num_steps=5, progress_bar=False)
+    with pytest.raises(TypeError, match=r"kfold: the model reads the value of argument 'y'"):
+        wf.kfold(reads_its_data_in_python, AutoNormal(reads_its_data_in_python), x, y=y, k=2, num_steps=5)
+    # the model's own values read in Python (not the data's): JAX's error, which svi.run raises too
+    def reads_a_sample(x, y=None):
+        a = numpyro.sample("a", dist.Normal(0.0, 1.0))
+        if a > 0:
+            a = a + 1.0
+        with numpyro.plate("n", x.shape[0]):
+            numpyro.sample("y", dist.Normal(a, 1.0), obs=y)
+
+    with pytest.raises(jax.errors.TracerBoolConversionError):
+        nb.fit(reads_a_sample, AutoNormal(reads_a_sample), x, y=y, num_steps=5, progress_bar=False)
+
+
 def test_hand_written_guide_of_another_model_is_refused():
     def other_guide(x, y=None):
         numpyro.sample("w", dist.Normal(numpyro.param("w_loc", 0.0), 1.0))
