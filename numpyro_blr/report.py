@@ -417,6 +417,15 @@ def check_guide_params(guide, params, where, args=(), kwargs=None, unconstrained
     )
 
 
+def _params_dtype(params):
+    """The floating dtype of the guide's parameters (``None`` when there is none)."""
+    for v in jax.tree.leaves(params):
+        dtype = np.dtype(getattr(v, "dtype", None) or np.asarray(v).dtype)
+        if np.issubdtype(dtype, np.floating):
+            return dtype
+    return None
+
+
 def fit_report(result, optimizer=None, guide=None):
     """The :class:`FitReport` of a BLR run.
 
@@ -457,13 +466,18 @@ def evidence_report(result, optimizer=None, guide=None):
     best_sd = float(np.sqrt(float(tr.loss_best_var)))
     problems, keys = [], []
 
+    low_precision = _params_dtype(s.params) == np.float32
     if skipped:
         damped = f", and the step size was halved {halvings} time(s), to {rho:.3g}" if halvings else ""
+        float32 = (" In float32 an exp or a power of data on a large scale overflows far sooner (float32's largest "
+                   "value is 3.4e38): enable 64-bit floats (numpyro.enable_x64() at the start of the program) or put "
+                   "the data on a unit scale (times in years, not days; standardised predictors)."
+                   if low_precision else "")
         problems.append(
             f"nb.BLR skipped {skipped} step(s) (step count {steps}) because of a non-finite loss, gradient or update, for "
             f"parameter(s) {bad_params}; those steps kept the last finite values{damped}. Check the model's "
             "log density at the current guide (a scale or rate that reaches 0, an overflowing exp), pass a "
-            "smaller lr, or use SVI.run(..., stable_update=True)."
+            "smaller lr, or use SVI.run(..., stable_update=True)." + float32
         )
         keys.append(("skipped", skipped))
 
@@ -554,8 +568,11 @@ def evidence_report(result, optimizer=None, guide=None):
             f"nb.BLR: after {steps} steps the posterior's correlations are too ill-conditioned for {dtype.name} "
             f"(condition number of the correlation matrix carried by {listed}; {dtype.name} resolves about "
             f"{ILL_CONDITIONED / np.finfo(dtype).eps:.3g}): its narrowest directions are lost to rounding and the fit "
-            "may be wrong. Enable 64-bit floats (numpyro.enable_x64() at the start of the program), or remove the "
-            "near-collinear directions from the model (drop or combine predictors that nearly repeat each other)."
+            "may be wrong. Enable 64-bit floats (numpyro.enable_x64() at the start of the program)"
+            + (f". The run also skipped {skipped} non-finite step(s): these correlations may be those of a fit that "
+               "overflowed rather than the posterior's (see the skipped steps)." if skipped else
+               ", or remove the near-collinear directions from the model (drop or combine predictors that nearly "
+               "repeat each other).")
         )
         keys.append(("ill-conditioned",) + tuple(ill))
 

@@ -188,6 +188,40 @@ def test_correlations_beyond_the_dtype_are_reported(guide_cls, scale):
         np.testing.assert_allclose(np.sqrt(np.diag(tril @ tril.T)), exact_sd, rtol=0.05)
 
 
+def weibull_survival(X, t, event):
+    """Weibull survival with right-censoring (times in days, about 400): (t / scale)^k overflows float32 from
+    NumPyro's random initialisation."""
+    b0 = numpyro.sample("b0", dist.Normal(0.0, 10.0))
+    b = numpyro.sample("b", dist.Normal(0.0, 2.5).expand([X.shape[1]]).to_event(1))
+    k = numpyro.sample("k", dist.Gamma(2.0, 1.0))
+    scale = jnp.exp(b0 + X @ b)
+    with numpyro.plate("n", X.shape[0]), numpyro.handlers.mask(mask=event > 0):
+        numpyro.sample("t", dist.Weibull(scale, k), obs=t)
+    numpyro.factor("censored", jnp.sum(jnp.where(event > 0, 0.0, -((t / scale) ** k))))
+
+
+@pytest.mark.slow
+def test_a_float32_overflow_is_reported_as_one_not_as_collinearity():
+    """Found by bench/probe_families: the skipped steps' report names float32's range and a unit scale for the data,
+    and the conditioning check, which then reads the precision of a fit that overflowed, does not send the user
+    looking for collinear predictors. In float64 the same fit is clean."""
+    rng = np.random.default_rng(505)
+    X = rng.standard_normal((200, 3))
+    t_event = np.exp(6.0 + X @ np.array([0.5, -0.3, 0.0])) * rng.weibull(1.5, size=200)
+    t_censor = rng.uniform(50, 1200, size=200)
+    t, event = np.minimum(t_event, t_censor), (t_event <= t_censor).astype(float)
+    args = [jnp.asarray(v, jnp.float32) for v in (X, t, event)]
+    result, messages = _run(weibull_survival, AutoMultivariateNormal(weibull_survival), nb.BLR(), 200, *args)
+    assert int(result.state.optim_state[1].skipped) > 0
+    skipped = [m for m in messages if "skipped" in m and "step count" in m]
+    assert skipped and "In float32" in skipped[0] and "enable_x64" in skipped[0] and "unit scale" in skipped[0]
+    assert not any("near-collinear" in m for m in messages), messages
+    with jax.enable_x64(True):
+        result, messages = _run(weibull_survival, AutoMultivariateNormal(weibull_survival), nb.BLR(), 200,
+                                *[jnp.asarray(v) for v in (X, t, event)])
+    assert int(result.state.optim_state[1].skipped) == 0 and not messages, messages
+
+
 def test_skipped_steps_halve_the_step_size():
     def model(broken=False):
         x = numpyro.sample("x", dist.Normal(0.0, 1.0))
