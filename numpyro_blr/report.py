@@ -420,7 +420,8 @@ def check_guide_params(guide, params, where, args=(), kwargs=None, unconstrained
 def _params_dtype(params):
     """The floating dtype of the guide's parameters (``None`` when there is none)."""
     for v in jax.tree.leaves(params):
-        dtype = np.dtype(getattr(v, "dtype", None) or np.asarray(v).dtype)
+        dtype = getattr(v, "dtype", None)
+        dtype = np.dtype(dtype if dtype is not None else np.asarray(v).dtype)
         if np.issubdtype(dtype, np.floating):
             return dtype
     return None

@@ -99,8 +99,8 @@ class _Unobserve(Messenger):
 # found again by fit's cache (keyed by the model and guide objects)
 _WRAPPERS: dict = {}
 
-# NumPyro's autoguides by class and options -> the guide object the programs are built with (held while a
-# program or the user holds it)
+# NumPyro's autoguides by class and options -> the guide object the programs are built with (weakly: the
+# programs and wrappers that use it hold it)
 _CANONICAL = weakref.WeakValueDictionary()
 
 
@@ -640,6 +640,7 @@ def _simulator(model, names, latent, num_datasets, args, kwargs):
 
         entry = _SIMULATORS[key] = (model, jax.jit(simulate))  # the model held: its id stays its own
     arrays = [jnp.asarray(x) if isinstance(x, np.ndarray) else x for x in arrays]
+
     def run(rng_key):
         with _fit.explain_traced_data(model, args, kwargs, "sbc"):
             return entry[1](rng_key, arrays)
