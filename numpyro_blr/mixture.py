@@ -77,7 +77,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.scipy.linalg import solve_triangular
 
-from numpyro_blr.core import Algorithm, StepInfo, all_finite, select, value_at
+from numpyro_blr.core import Algorithm, StepInfo, select, value_at
 from numpyro_blr.families.mixture import log_prob, log_weights, sample, weights
 from numpyro_blr.report import LossTrace, init_loss_trace, loss_trace_problems, next_loss_trace
 from numpyro_blr.rules.blr import gaussian_update

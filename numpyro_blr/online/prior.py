@@ -31,14 +31,13 @@ The :class:`Prior` is a JAX pytree whose arrays are the program's inputs: a seco
 reuses the compiled fit (:class:`~numpyro_blr.online.stream.Stream`).
 """
 
-from typing import NamedTuple, Optional, Tuple
+from typing import NamedTuple, Tuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import numpyro
 import numpyro.distributions as dist
-from numpyro import handlers
 from numpyro.distributions import constraints
 from numpyro.distributions.transforms import biject_to
 from numpyro.primitives import Messenger
