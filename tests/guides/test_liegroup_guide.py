@@ -234,7 +234,12 @@ def test_hierarchical_scales_do_not_diverge():
     step is skipped and no warning is raised. Without the extra draws (curvature_draws=0, the rule before) the
     single-draw Stein estimate A^2 H_ii - 1 of log_tau_i's scale reached -1e3 (H_ii < 0 in a concave stretch of the
     potential along a log-scale), the exponential map grew the scale by the clip's factor e per step (0.8 to 110 in
-    ten steps) and the fit diverged: 912 of 1,000 steps skipped."""
+    ten steps) and the fit diverged: 912 of 1,000 steps skipped.
+
+    nb.Trace_ELBO sums the sites in a fixed order: with NumPyro's (a set's order, which follows PYTHONHASHSEED) the
+    float32 losses differ in their last bits from process to process, and after 150 steps the report's "loss still
+    falling" check (added after this test) fired for some hash seeds and not others. That check is about
+    convergence, not divergence: the test reads the warnings about divergence and skipped steps."""
     from sklearn.datasets import load_breast_cancer
 
     X, y = load_breast_cancer(return_X_y=True)
@@ -245,9 +250,10 @@ def test_hierarchical_scales_do_not_diverge():
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             guide = nb.LieGroupGuide(_scales_model)
-            result = SVI(_scales_model, guide, optim, Trace_ELBO()).run(jax.random.PRNGKey(0), 150, X, y,
-                                                                         progress_bar=False)
-        return result, [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+            result = SVI(_scales_model, guide, optim, nb.Trace_ELBO()).run(jax.random.PRNGKey(0), 150, X, y,
+                                                                            progress_bar=False)
+        return result, [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)
+                        and ("diverged" in str(w.message) or "skipped" in str(w.message))]
 
     result, warned = fit(nb.LieGroupBLR())
     losses = np.asarray(result.losses)
