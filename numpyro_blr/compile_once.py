@@ -1440,17 +1440,22 @@ def fit(model, guide, *args, optim=None, num_steps=1000, rng_key=None, loss=None
 
 
 # -- checks made while the program is traced (shapes only: no cost at run time) ---------------------
+def _positional_names(model):
+    """The names of ``model``'s positional parameters (``[]`` where its signature cannot be read)."""
+    import inspect
+
+    try:
+        params = list(inspect.signature(model).parameters.values())
+    except (TypeError, ValueError):
+        return []
+    return [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+
+
 def _arguments(model, args, kwargs):
     """``[(label, value)]`` of the call's arguments, labelled by the model's parameter names where its
     signature binds them (``argument 'X'``), else by position (``argument 0``) or keyword."""
-    import inspect
-
     names = []
-    try:
-        params = list(inspect.signature(model).parameters.values())
-        positional = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    except (TypeError, ValueError):
-        positional = []
+    positional = _positional_names(model)
     for i, a in enumerate(args):
         names.append((f"argument {positional[i]!r}" if i < len(positional) else f"argument {i}", a))
     names += [(f"argument {k!r}", v) for k, v in kwargs.items()]
@@ -1469,13 +1474,7 @@ def _argument_name(value, args, kwargs, model=None):
 def _input_labels(model, args, kwargs):
     """The labels of the program's array inputs, in :func:`_split`'s order (``argument 'X'``, a pytree
     argument's leaves with their path)."""
-    import inspect
-
-    try:
-        params = list(inspect.signature(model).parameters.values())
-        positional = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    except (TypeError, ValueError):
-        positional = []
+    positional = _positional_names(model)
     out = []
     for path, leaf in jax.tree_util.tree_flatten_with_path((args, kwargs))[0]:
         if not _is_data(leaf):
