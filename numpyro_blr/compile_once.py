@@ -220,7 +220,9 @@ def _optimizer_key(optim):
     from numpyro_blr.svi import GuideOptimizer
 
     if isinstance(optim, GuideOptimizer):
-        config = {k: v for k, v in vars(optim).items() if k not in ("algorithm", "_traced_layouts")}
+        # the arrays a hand-written guide is traced with give only its parameters' shapes, which JAX keys by
+        config = {k: v for k, v in vars(optim).items() if k not in ("algorithm", "_traced_layouts", "_state_shapes",
+                                                                      "guide_args")}
         return (type(optim).__qualname__, _freeze(config))
     return ("id", id(optim))
 
@@ -848,6 +850,7 @@ class _Program:
     def __init__(self, model, guide, optim, loss, *, num_steps, chunk, stable_update, rebuild, compiler_options,
                  owner=None, post=None, batch_size=None, warm_steps=None, disk=None):
         self.svi = SVI(model, _unvalidated(guide), optim, loss)
+        self.svi.reads_its_guide = False  # the optimizer was bound to the user's guide (_bound) before the program
         self.owner = guide if owner is None else owner  # the object a guide's setup is stored in
         self.num_steps, self.chunk = num_steps, chunk
         self.stable_update = stable_update
@@ -1336,6 +1339,14 @@ def _check_optimizer(optim):
     )
 
 
+def _bound(optim, guide, args, kwargs):
+    """``optim`` reading ``guide`` where it is one of ours (:meth:`~numpyro_blr.svi.GuideOptimizer.bound_to`: a
+    hand-written guide traced with the fit's arguments), as ``svi.init`` binds it."""
+    from numpyro_blr.svi import GuideOptimizer
+
+    return optim.bound_to(guide, args, kwargs) if isinstance(optim, GuideOptimizer) else optim
+
+
 def _check_guide(model, guide):
     if not callable(guide):
         raise TypeError(f"guide must be a NumPyro guide (an autoguide or a function), got {type(guide).__name__}.")
@@ -1393,7 +1404,7 @@ def fit(model, guide, *args, optim=None, num_steps=1000, rng_key=None, loss=None
     if not callable(model):
         raise TypeError(f"model must be a NumPyro model (a callable), got {type(model).__name__}.")
     _check_guide(model, guide)
-    optim = BLR() if optim is None else _check_optimizer(optim)
+    optim = _bound(BLR() if optim is None else _check_optimizer(optim), guide, args, kwargs)
     loss = _ordered_loss(loss)
     if rng_key is None:
         rng_key = jax.random.PRNGKey(0)

@@ -31,7 +31,6 @@ state (delta method). Parameters outside any Gaussian go to a ``fallback`` optax
 rejected by name.
 """
 
-import copy
 from typing import Callable, NamedTuple, Optional, Union
 
 import jax
@@ -152,7 +151,8 @@ class BLR(GuideOptimizer):
         constraints when they differ from NumPyro's defaults), or a hand-written guide function,
         which BLR traces to find which ``numpyro.param`` is the ``loc`` and which (through its
         constraint) the ``scale``/``scale_tril`` of each ``Normal``/``MultivariateNormal`` site
-        (:mod:`numpyro_blr.guide_trace`).
+        (:mod:`numpyro_blr.guide_trace`). Under ``SVI`` and ``nb.fit`` it is not needed: they hand their
+        guide and arguments over (:meth:`~numpyro_blr.svi.GuideOptimizer.bound_to`), as this would.
     :param guide_args, guide_kwargs: the arguments to trace a hand-written guide with (those given
         to ``svi.run``); not needed when the guide takes none.
     :param prefix: the autoguide prefix (default ``"auto"``, or the guide's).
@@ -394,12 +394,9 @@ class BLR(GuideOptimizer):
 
     def with_curvature_draws(self, draws):
         """A copy of this optimizer with ``curvature_draws=draws`` (its steps averaging from the switch on)."""
-        new = copy.copy(self)
+        new = self._rebound()
         new.draws_on_rerun = False
         new.curvature_draws = int(draws)
-        new.algorithm = self.algorithm._replace(init=new._init_state, step=new._propose, result=new._result)
-        new._traced_layouts = dict(self._traced_layouts)
-        new._state_shapes = dict(self._state_shapes)
         return new
 
     def keep_rerun(self, first, second):

@@ -128,6 +128,48 @@ class GuideOptimizer(_NumPyroOptim):
         self._state_shapes = {}  # parameter structure -> the algorithm state's structure and shapes
         self.data_size = None  # observations the likelihood sums over, read by check_data at svi.init
 
+    # -- the guide of the fit it runs in ----------------------------------------------------
+    def bound_to(self, guide, args=(), kwargs=None):
+        """This optimizer reading ``guide``, the guide of the fit it runs in (``svi.init``, :func:`nb.fit
+        <numpyro_blr.compile_once.fit>` and the workflow pass theirs), so that ``SVI(model, guide, nb.BLR(), ...)``
+        needs no ``guide=`` where the parameter names alone do not say what the guide is:
+
+        * a hand-written guide: a copy that traces it with the fit's arguments, as
+          ``nb.BLR(guide=guide, guide_args=args, guide_kwargs=kwargs)`` would;
+        * an autoguide with another prefix than this optimizer's (``AutoNormal(model, prefix="q")``): a copy that
+          reads that prefix and the guide's scale constraints, as ``nb.BLR(guide=guide)`` would.
+
+        ``self`` otherwise: an optimizer given a guide keeps it, an algorithm that reads its own guides
+        (``nb.LieGroupBLR``) needs none, and an autoguide with the default prefix is read by its parameter names.
+        The copy's algorithm functions are bound to the copy (:meth:`_rebound`); the user's object is unchanged."""
+        if guide is None or self.guide is not None or self.algorithm.read_layout is not None:
+            return self
+        if is_autoguide(guide):
+            if getattr(guide, "prefix", self.prefix) == self.prefix:
+                return self
+            new = self._rebound()
+            new.guide, new.prefix = guide, guide.prefix
+            new.scale_constraint = getattr(guide, "scale_constraint", None)
+            new.scale_tril_constraint = getattr(guide, "scale_tril_constraint", None)
+            return new
+        if not callable(guide):
+            return self  # SVI raises on its own terms
+        new = self._rebound()
+        new.guide, new.traced = guide, True
+        new.guide_args = (tuple(args), dict(kwargs or {}))
+        return new
+
+    def _rebound(self):
+        """A shallow copy whose algorithm functions that were methods of ``self`` are the copy's (they read its
+        options and guide), with its own copies of the caches of traced layouts and state shapes."""
+        new = copy.copy(self)
+        methods = {f: getattr(new, fn.__name__) for f, fn in self.algorithm._asdict().items()
+                   if getattr(fn, "__self__", None) is self}
+        new.algorithm = self.algorithm._replace(**methods)
+        new._traced_layouts = dict(self._traced_layouts)
+        new._state_shapes = dict(self._state_shapes)
+        return new
+
     # -- the data, at svi.init -------------------------------------------------------------
     def check_data(self, model, args, kwargs):
         """Check the fit's data before it starts (:func:`numpyro_blr.compile_once.check_data`: NaN or inf that
@@ -165,8 +207,9 @@ class GuideOptimizer(_NumPyroOptim):
                 f"'{self.prefix}_scale_tril' or point-mass '{self.prefix}_loc' parameters. Use AutoNormal, "
                 "AutoDiagonalNormal, AutoMultivariateNormal or AutoDelta, or pass guide=... if it uses another prefix "
                 "(for positive, unit-interval, simplex or discrete latents use nb.ExpFamilyGuide). "
-                f"If it is a hand-written guide, pass it: {name}(guide=guide, guide_args=(...)) with the arguments "
-                f"you give svi.run, and {name} reads its Normal/MultivariateNormal sites by tracing it; "
+                f"If it is a hand-written guide (svi.init and nb.fit hand theirs over; outside them), pass it: "
+                f"{name}(guide=guide, guide_args=(...)) with the arguments you give svi.run, and {name} reads its "
+                "Normal/MultivariateNormal sites by tracing it; "
                 "pass fallback=optax.adam(1e-3) to fit a guide with no Gaussian."
             )
         unhandled = [k for k in layout.other if not k.endswith(PLACEHOLDER_SUFFIX)]
@@ -446,6 +489,9 @@ def install_svi_checks():
     @functools.wraps(init)
     def checked_init(self, rng_key, *args, init_params=None, **kwargs):
         if isinstance(self.optim, GuideOptimizer):
+            if getattr(self, "reads_its_guide", True):  # nb.fit's programs bind their optimizer beforehand
+                # a hand-written guide (or another prefix) read from this SVI's guide: no nb.BLR(guide=...) needed
+                self.optim = self.optim.bound_to(self.guide, args, {**kwargs, **self.static_kwargs})
             self.optim.check_data(self.model, args, {**kwargs, **self.static_kwargs})
         return init(self, rng_key, *args, init_params=init_params, **kwargs)
 

@@ -213,7 +213,7 @@ def _program(model, guide, args, kwargs, batch, *, optim, num_steps, loss, post,
     the fits together where they run one after another (for ``compile_effort="auto"``)."""
     from numpyro_blr.optim import BLR
 
-    optim = BLR() if optim is None else _fit._check_optimizer(optim)
+    optim = _fit._bound(BLR() if optim is None else _fit._check_optimizer(optim), owner, args, kwargs)
     loss = _fit._ordered_loss(loss)
     arrays, rebuild, signature = _fit._split(args, kwargs)
     arrays = [jnp.asarray(x) if isinstance(x, np.ndarray) else x for x in arrays]

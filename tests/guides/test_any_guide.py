@@ -101,9 +101,48 @@ def test_hand_written_guide_without_arguments_and_lognormal_site():
 
 
 def test_hand_written_guide_without_guide_argument_names_the_fix():
-    svi = SVI(model, normal_guide, nb.BLR(), Trace_ELBO())
+    """Outside SVI and nb.fit (which pass their guide, below) the optimizer sees only parameter names."""
     with pytest.raises(nb.GuideLayoutError, match=r"(?s)'w_loc', 'w_scale'.*guide=guide"):
-        svi.init(jax.random.PRNGKey(0), X, Y)
+        nb.BLR().init({"w_loc": jnp.zeros(D), "w_scale": jnp.ones(D)})
+
+
+def test_svi_hands_its_guide_to_the_optimizer():
+    """SVI(model, guide, nb.BLR(), ...) reads a hand-written guide (traced with svi.init's arguments) and an
+    autoguide's own prefix, with no nb.BLR(guide=...); the user's optimizer object is left as it was."""
+    opt = nb.BLR()
+    svi = SVI(model, normal_guide, opt, Trace_ELBO())
+    svi.init(jax.random.PRNGKey(0), X, Y)
+    (block,) = svi.optim.layout({"w_loc": jnp.zeros(D), "w_scale": jnp.ones(D)}).blocks
+    assert (block.kind, block.loc, block.scale) == ("diagonal", "w_loc", "w_scale")
+    assert block.scale_constraint is constraints.positive
+    assert opt.guide is None and svi.optim is not opt  # a copy reads the guide: opt can serve another SVI
+
+    other = SVI(model, mvn_guide, opt, Trace_ELBO())
+    state = other.init(jax.random.PRNGKey(0), X, Y)
+    (block,) = other.optim.layout(state.optim_state[1].params).blocks  # unconstrained: L as its D(D+1)/2 entries
+    assert (block.kind, block.loc, block.scale) == ("full", "m", "L")
+
+    guide = AutoNormal(model, prefix="q")
+    svi = SVI(model, guide, opt, Trace_ELBO())
+    svi.init(jax.random.PRNGKey(0), X, Y)
+    (block,) = svi.optim.layout({"w_q_loc": jnp.zeros(D), "w_q_scale": jnp.ones(D)}).blocks
+    assert (block.loc, block.scale) == ("w_q_loc", "w_q_scale")
+    assert SVI(model, AutoNormal(model), opt, Trace_ELBO()).optim is opt  # the default prefix: read by the names
+
+
+@pytest.mark.slow
+def test_hand_written_guides_without_guide_argument_reach_the_exact_posterior():
+    """The same nb.BLR() object for a mean-field and a full-covariance hand-written guide, by svi.run and nb.fit."""
+    mean, cov, prec = exact_posterior()
+    opt = nb.BLR()
+    result = SVI(model, normal_guide, opt, Trace_ELBO()).run(jax.random.PRNGKey(0), 100, X, Y, progress_bar=False)
+    np.testing.assert_allclose(result.params["w_loc"], mean, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(result.params["w_scale"], 1 / np.sqrt(np.diag(prec)), rtol=1e-4)
+    for res in (SVI(model, mvn_guide, opt, Trace_ELBO()).run(jax.random.PRNGKey(0), 100, X, Y, progress_bar=False),
+                nb.fit(model, mvn_guide, X, Y, optim=opt, num_steps=100, progress_bar=False)):
+        np.testing.assert_allclose(res.params["m"], mean, rtol=1e-4, atol=1e-4)
+        tril = np.asarray(res.params["L"], float)
+        np.testing.assert_allclose(tril @ tril.T, cov, rtol=1e-3, atol=1e-6)
 
 
 def test_guide_that_needs_arguments_asks_for_them():
@@ -119,24 +158,21 @@ def test_guide_that_needs_arguments_asks_for_them():
 
 
 def test_autoguide_names_with_another_scale_constraint_are_not_silently_misread():
-    """Names like AutoNormal's but an unconstrained scale: today this ran and stayed at the prior."""
+    """Names like AutoNormal's but an unconstrained scale: this once ran and stayed at the prior, then raised
+    (read by the names) unless given guide=...; now SVI hands its guide over and it is read by tracing."""
 
     def lookalike(X, y=None):
         loc = numpyro.param("w_auto_loc", jnp.zeros(X.shape[1]))
         scale = numpyro.param("w_auto_scale", jnp.ones(X.shape[1]))  # no constraint
         numpyro.sample("w", dist.Normal(loc, scale).to_event(1))
 
-    svi = SVI(model, lookalike, nb.BLR(), Trace_ELBO())
-    state = svi.init(jax.random.PRNGKey(0), X, Y)
-    with pytest.raises(nb.GuideLayoutError, match=r"(?s)'w_auto_scale' is declared with .*guide=guide"):
-        svi.update(state, X, Y)
-    # with guide=..., it is read by tracing: the unconstrained scale is used as it is (BLR keeps it positive)
+    # a hand-written guide is read by tracing it (SVI hands it to the optimizer, as guide=... would): the
+    # unconstrained scale is used as it is (BLR keeps it positive)
     mean, _, prec = exact_posterior()
-    result = SVI(model, lookalike, nb.BLR(guide=lookalike, guide_args=(X,)), Trace_ELBO()).run(
-        jax.random.PRNGKey(0), 100, X, Y, progress_bar=False
-    )
-    np.testing.assert_allclose(result.params["w_auto_loc"], mean, rtol=1e-4, atol=1e-4)
-    np.testing.assert_allclose(result.params["w_auto_scale"], 1 / np.sqrt(np.diag(prec)), rtol=1e-4)
+    for opt in (nb.BLR(), nb.BLR(guide=lookalike, guide_args=(X,))):
+        result = SVI(model, lookalike, opt, Trace_ELBO()).run(jax.random.PRNGKey(0), 100, X, Y, progress_bar=False)
+        np.testing.assert_allclose(result.params["w_auto_loc"], mean, rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(result.params["w_auto_scale"], 1 / np.sqrt(np.diag(prec)), rtol=1e-4)
 
 
 def test_computed_scale_is_not_read_and_goes_to_the_fallback_or_is_named():
@@ -330,3 +366,4 @@ def test_ivon_accepts_a_numpyro_optimizer_as_fallback():
         jax.random.PRNGKey(0), 200, X, Y, progress_bar=False
     )
     assert np.all(np.isfinite(result.losses)) and abs(float(result.params["noise"]) - 0.5) > 0.1
+
