@@ -165,10 +165,27 @@ def _tiny(dtype):
     return jnp.finfo(dtype).eps ** 2
 
 
+ZERO_MEAN_NUDGE = 64  # at_mean: means within this many eps of 0 are evaluated at that distance from it
+
+
 def at_mean(params, layout):
-    """``params`` with every Gaussian block's scale shrunk to ``eps**2`` so that samples sit at the mean."""
+    r"""``params`` with every Gaussian block's scale shrunk to ``eps**2`` so that samples sit at the mean.
+
+    A draw :math:`z = m + s\epsilon` equals :math:`m` in floating point where :math:`s|\epsilon|` is below half
+    an ulp of :math:`m`; then the guide's :math:`\log q(z)`, a function of :math:`(z - m)/s`, contributes nothing
+    to the gradient. Where :math:`m = 0` (a guide initialised with ``jnp.zeros``) the draw is :math:`s\epsilon`
+    itself, the two terms of :math:`\partial\log q/\partial m` (through :math:`z` and through :math:`m`, each
+    :math:`\epsilon/s pprox 10^{31}`) cancel only after the model's gradient was added to one of them, and
+    the model's gradient is lost: the mean never moved (``nb.newton()`` with a hand-written guide stayed at its
+    zero initialisation). Such means (:math:`|m| <` ``ZERO_MEAN_NUDGE`` eps) are evaluated at that distance
+    from 0 instead, where the draw rounds to the mean again: a shift far below any posterior sd the dtype
+    resolves, and only where a mean is 0 (the next step moves it away)."""
     out = dict(params)
     for b in layout.blocks:
+        if b.kind in (DIAGONAL, FULL):
+            m = params[b.loc]
+            floor = ZERO_MEAN_NUDGE * jnp.finfo(m.dtype).eps
+            out[b.loc] = jnp.where(jnp.abs(m) < floor, jnp.where(m < 0, -floor, floor).astype(m.dtype), m)
         if b.kind == DIAGONAL:
             s = jnp.full(params[b.loc].shape, _tiny(params[b.loc].dtype), params[b.loc].dtype)
             out[b.scale] = b.transform.inv(s)

@@ -367,3 +367,17 @@ def test_ivon_accepts_a_numpyro_optimizer_as_fallback():
     )
     assert np.all(np.isfinite(result.losses)) and abs(float(result.params["noise"]) - 0.5) > 0.1
 
+
+@pytest.mark.parametrize("guide", [normal_guide, mvn_guide])
+def test_delta_method_moves_means_initialised_at_zero(guide):
+    """nb.newton() from a guide initialised with jnp.zeros: a draw at the mean (scale eps**2) was not the mean
+    there, the guide's log q cancelled the model's gradient, and the means stayed at 0 with no warning."""
+    mean, cov, prec = exact_posterior()
+    result = SVI(model, guide, nb.newton(), Trace_ELBO()).run(jax.random.PRNGKey(0), 2, X, Y, progress_bar=False)
+    loc = result.params["w_loc" if guide is normal_guide else "m"]
+    np.testing.assert_allclose(loc, mean, rtol=1e-4, atol=1e-4)  # Newton: exact on a quadratic loss
+    if guide is mvn_guide:
+        tril = np.asarray(result.params["L"], float)
+        np.testing.assert_allclose(tril @ tril.T, cov, rtol=1e-3, atol=1e-6)
+    else:  # the delta method's diagonal: the precision's diagonal
+        np.testing.assert_allclose(result.params["w_scale"], 1 / np.sqrt(np.diag(prec)), rtol=1e-3)
