@@ -18,6 +18,11 @@ parameters (and, with the guide, the sites) concerned and the one change that fi
   0 +- 0.16) while its geometric average is above ``UNCONVERGED_SDS``;
 * **collapsed variance**: a standard deviation at the rounding level of its mean
   (below ``COLLAPSE_EPS`` machine epsilons times :math:`\max(1, |m|)`);
+* **unbounded variance**: a standard deviation above ``DIFFUSE_SD`` times :math:`\max(1, |m|)`: no term of the
+  model's density depends on the coordinate (its curvature is 0, so the precision decays by :math:`1-\rho` per
+  step and the entropy term lowers the loss without end), as in the entries at observed rows of the
+  ``<site>_unobserved`` latent that ``obs_mask`` creates; the "still falling" check is then left out (that loss
+  falls for this reason);
 * **ill-conditioned for the dtype**: the condition number :math:`\kappa` of the posterior's correlation
   matrix (read off the guide's full covariance, or off the dense precision that preconditions a
   mean-field guide's mean step; blocks up to ``CONDITION_MAX_DIM`` numbers) exceeds ``ILL_CONDITIONED`` over the machine epsilon: a relative
@@ -79,6 +84,9 @@ DIVERGENCE_FRACTION = 0.25
 UNCONVERGED_SDS = 1.0
 UNCONVERGED_PERSISTENCE = 0.7
 COLLAPSE_EPS = 10.0
+DIFFUSE_SD = 1e6  # a guide sd this many times max(1, |mean|): no density holds the coordinate (an unbounded ELBO;
+# such sds grow about 1e4-fold per 50 steps, so 100-200 steps pass it; a real posterior would need its mean within
+# 1e-6 sds of 0 and an sd above 1e6)
 ILL_CONDITIONED = 1.0  # kappa * eps above which the correlation matrix's narrowest direction is not resolved
 CONDITION_MAX_DIM = 256  # larger dense blocks are not checked: an eigendecomposition on the host at every get_params (5 ms at 256)
 MIN_STEPS = 10  # no verdict on convergence before this many steps: a shorter run is reported as too short to judge
@@ -524,6 +532,7 @@ def evidence_report(result, optimizer=None, guide=None):
         keys.append(("unconverged",) + tuple(sorted(unconverged)))
 
     collapsed = []
+    diffuse = {}  # site or parameter -> (coordinates, of how many, largest sd): sds growing without bound
     dense = []  # (name, Cholesky factor of a covariance, a loc of its dtype): the conditioning check below
     try:
         layout = optimizer.layout(s.params)
@@ -539,6 +548,10 @@ def evidence_report(result, optimizer=None, guide=None):
         small = marginal_sd < COLLAPSE_EPS * eps * np.maximum(1.0, np.abs(m))
         if np.any(small):
             collapsed.append(b.scale)
+        wide = marginal_sd > DIFFUSE_SD * np.maximum(1.0, np.abs(m))
+        for site, v in _by_site(b.scale, np.where(wide, marginal_sd, 0.0), guide).items():
+            if np.any(v > 0):
+                diffuse[site] = (int(np.sum(v > 0)), int(np.size(v)), float(np.max(v)))
         if b.kind == FULL:
             dense.append((b.scale, scale, m))
     if collapsed and not diverged:
@@ -549,6 +562,20 @@ def evidence_report(result, optimizer=None, guide=None):
             "for a hierarchical scale) or pass a smaller lr."
         )
         keys.append(("collapsed",) + tuple(collapsed))
+
+    if diffuse and not diverged:
+        listed = ", ".join(f"{k} ({n} of {size} coordinate(s), sd up to {v:.3g})" for k, (n, size, v) in diffuse.items())
+        problems.append(
+            f"nb.BLR: after {steps} steps the guide's standard deviation grows without bound in {listed}: nothing in "
+            "the model's density depends on those coordinates, so the ELBO's entropy term alone grows with them, the "
+            "loss falls without end, and the fit there means nothing. Typical causes: a latent site whose density is "
+            "masked where the model does not use it (numpyro.sample(..., obs_mask=...) creates a '<site>_unobserved' "
+            "latent with one entry per row, and its entries at observed rows have no density), or a latent that no "
+            "prior or likelihood term reads. Give those coordinates a density, or sample only the ones the model "
+            "uses (x_missing = numpyro.sample('x_missing', dist.Normal(...).expand([n_missing])), then "
+            "x.at[missing_rows].set(x_missing))."
+        )
+        keys.append(("diffuse",) + tuple(diffuse))
 
     ill = {}
     joint = [b for b in getattr(layout, "blocks", ()) if b.kind == DIAGONAL]
@@ -591,7 +618,7 @@ def evidence_report(result, optimizer=None, guide=None):
 
     loss_drop = _loss_drop(getattr(tr, "loss_blocks", None), steps)
     clipped_drop = _loss_drop(getattr(tr, "loss_blocks_clipped", None), steps)
-    if not diverged and not unconverged and steps >= MIN_STEPS:
+    if not diverged and not unconverged and not diffuse and steps >= MIN_STEPS:  # an unbounded loss falls forever
         falling = [(d, how) for d, how in ((loss_drop, ""), (clipped_drop, " (losses winsorised at their running "
                                                                           f"average +- {CLIP_SDS:g} sds)"))
                    if _is_falling(d)]

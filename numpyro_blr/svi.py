@@ -498,6 +498,10 @@ def install_svi_checks():
     @functools.wraps(run)
     def checked_run(self, rng_key, num_steps, *args, **kwargs):
         state = kwargs.get("init_state")
+        if isinstance(self.optim, GuideOptimizer) and getattr(self, "reads_its_guide", True):
+            # bound before the run, so that the rerun's decision (run_with_rerun) reads the guide too
+            model_kwargs = {k: v for k, v in kwargs.items() if k not in _RUN_OPTIONS + ("init_state",)}
+            self.optim = self.optim.bound_to(self.guide, args, {**model_kwargs, **self.static_kwargs})
         if state is not None:
             opt_state = getattr(state, "optim_state", None)
             inner = opt_state[1] if isinstance(opt_state, tuple) and len(opt_state) == 2 else None

@@ -262,3 +262,31 @@ def test_report_of_a_healthy_run_is_clean(uncentred_data):
     assert "no problem found" in str(report)
     with pytest.raises(TypeError, match="fit_report expects"):
         nb.fit_report({"auto_loc": 1})
+
+
+def imputation_model(x, y=None):
+    """NumPyro's missing-data idiom: obs_mask makes a latent 'x_unobserved' with one entry per row, whose entries
+    at the observed rows have no density."""
+    mu_x = numpyro.sample("mu_x", dist.Normal(0.0, 5.0))
+    b = numpyro.sample("b", dist.Normal(0.0, 5.0))
+    with numpyro.plate("n", x.shape[0]):
+        xi = numpyro.sample("x", dist.Normal(mu_x, 1.0), obs=jnp.nan_to_num(x), obs_mask=~jnp.isnan(x))
+        numpyro.sample("y", dist.Normal(b * xi, 0.5), obs=y)
+
+
+def test_coordinates_no_density_holds_are_reported_as_such():
+    """Found trying NumPyro's imputation idiom: the guide's sds at the observed rows grew to 1e39 and the report said
+    the loss was still falling and to average the curvature. It now names the site, how many coordinates, the
+    cause and the fix, and leaves the still-falling message out; the rows with a density are fitted."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=30)
+    y = 2.0 * x + 0.5 * rng.normal(size=30)
+    x[:6] = np.nan
+    guide = AutoNormal(imputation_model)
+    result, messages = _run(imputation_model, guide, nb.BLR(), 200, jnp.asarray(x), jnp.asarray(y))
+    (message,) = messages
+    assert "grows without bound in x_unobserved_auto_scale (24 of 30 coordinate(s)" in message, message
+    assert "obs_mask" in message and "x.at[missing_rows].set(x_missing)" in message
+    assert nb.fit_report(result).problem_keys == [("diffuse", "x_unobserved_auto_scale")]
+    sd = np.asarray(result.params["x_unobserved_auto_scale"])
+    assert np.all(sd[:6] < 1.0) and np.all(sd[6:] > 1e6)
