@@ -329,6 +329,7 @@ class FitReport(NamedTuple):
     laplace_gap: tuple = None  # delta method: (mean, standard error, draws) of E_q[l] - l(m) - D/2 over the last steps
     loss_drop: tuple = None  # (mean loss of the previous block - of the last, its standard error, first step of each)
     loss_drop_clipped: tuple = None  # the same of the winsorised losses (FitTrace.loss_blocks_clipped)
+    unread: str = None  # why the checks that read the guide's blocks were not made (None: they were)
 
     def __str__(self):
         lines = [
@@ -340,6 +341,8 @@ class FitReport(NamedTuple):
             lines[0] += (f", Laplace gap {self.laplace_gap[0]:.3g} +- {self.laplace_gap[1]:.2g} nats "
                          f"(last {self.laplace_gap[2]} steps)")
         lines += [f"  - {p}" for p in self.problems] or ["  no problem found"]
+        if self.unread:
+            lines.append(f"  (not checked: {self.unread})")
         return "\n".join(lines)
 
 
@@ -536,8 +539,12 @@ def evidence_report(result, optimizer=None, guide=None):
     dense = []  # (name, Cholesky factor of a covariance, a loc of its dtype): the conditioning check below
     try:
         layout = optimizer.layout(s.params)
-    except Exception:  # noqa: BLE001 - the state was made by another optimizer configuration
+        unread = None
+    except Exception:  # noqa: BLE001 - another optimizer configuration, or a hand-written guide it was not given
         layout = None
+        unread = ("the guide's Gaussian blocks could not be read from the parameters' names, so the checks on its "
+                  "scales (collapsed, unbounded, ill-conditioned) and the sites that moved were not made: pass the "
+                  "optimizer the fit ran with (nb.fit_report(result, svi.optim)), which svi.init gave the guide")
     for b in getattr(layout, "blocks", ()):
         if b.kind not in (DIAGONAL, FULL):
             continue
@@ -666,7 +673,7 @@ def evidence_report(result, optimizer=None, guide=None):
 
     return FitReport(steps, skipped, bad_params, rho, halvings, avg, best, sd, diverged, unconverged, collapsed,
                      problems, keys, damped, damped_recent, ill, laplace_gap=gap, loss_drop=loss_drop,
-                     loss_drop_clipped=clipped_drop)
+                     loss_drop_clipped=clipped_drop, unread=unread)
 
 
 def _is_falling(loss_drop):

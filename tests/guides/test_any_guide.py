@@ -135,9 +135,13 @@ def test_hand_written_guides_without_guide_argument_reach_the_exact_posterior():
     """The same nb.BLR() object for a mean-field and a full-covariance hand-written guide, by svi.run and nb.fit."""
     mean, cov, prec = exact_posterior()
     opt = nb.BLR()
-    result = SVI(model, normal_guide, opt, Trace_ELBO()).run(jax.random.PRNGKey(0), 100, X, Y, progress_bar=False)
+    svi = SVI(model, normal_guide, opt, Trace_ELBO())
+    result = svi.run(jax.random.PRNGKey(0), 100, X, Y, progress_bar=False)
     np.testing.assert_allclose(result.params["w_loc"], mean, rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(result.params["w_scale"], 1 / np.sqrt(np.diag(prec)), rtol=1e-4)
+    # the report reads the guide's blocks through the optimizer the fit ran with; without it, it says what it skipped
+    assert nb.fit_report(result, svi.optim).unread is None
+    assert "not checked" in str(nb.fit_report(result)) and "svi.optim" in nb.fit_report(result).unread
     for res in (SVI(model, mvn_guide, opt, Trace_ELBO()).run(jax.random.PRNGKey(0), 100, X, Y, progress_bar=False),
                 nb.fit(model, mvn_guide, X, Y, optim=opt, num_steps=100, progress_bar=False)):
         np.testing.assert_allclose(res.params["m"], mean, rtol=1e-4, atol=1e-4)
