@@ -207,7 +207,7 @@ class GuideOptimizer(_NumPyroOptim):
                 f"'{self.prefix}_scale_tril' or point-mass '{self.prefix}_loc' parameters. Use AutoNormal, "
                 "AutoDiagonalNormal, AutoMultivariateNormal or AutoDelta, or pass guide=... if it uses another prefix "
                 "(for positive, unit-interval, simplex or discrete latents use nb.ExpFamilyGuide). "
-                f"If it is a hand-written guide (svi.init and nb.fit hand theirs over; outside them), pass it: "
+                f"If it is a hand-written guide used outside SVI and nb.fit (which hand theirs over), pass it: "
                 f"{name}(guide=guide, guide_args=(...)) with the arguments you give svi.run, and {name} reads its "
                 "Normal/MultivariateNormal sites by tracing it; "
                 "pass fallback=optax.adam(1e-3) to fit a guide with no Gaussian."

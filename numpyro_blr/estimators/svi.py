@@ -175,7 +175,7 @@ def at_mean(params, layout):
     an ulp of :math:`m`; then the guide's :math:`\log q(z)`, a function of :math:`(z - m)/s`, contributes nothing
     to the gradient. Where :math:`m = 0` (a guide initialised with ``jnp.zeros``) the draw is :math:`s\epsilon`
     itself, the two terms of :math:`\partial\log q/\partial m` (through :math:`z` and through :math:`m`, each
-    :math:`\epsilon/s pprox 10^{31}`) cancel only after the model's gradient was added to one of them, and
+    :math:`\epsilon/s \approx 10^{31}`) cancel only after the model's gradient was added to one of them, and
     the model's gradient is lost: the mean never moved (``nb.newton()`` with a hand-written guide stayed at its
     zero initialisation). Such means (:math:`|m| <` ``ZERO_MEAN_NUDGE`` eps) are evaluated at that distance
     from 0 instead, where the draw rounds to the mean again: a shift far below any posterior sd the dtype
