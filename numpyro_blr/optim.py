@@ -43,10 +43,17 @@ from numpyro_blr import expfam_blocks
 from numpyro_blr.core import backtracking_factor
 from numpyro_blr.estimators import HESSIANS, at_mean, estimate, hoist_constant_work
 from numpyro_blr.estimators.gaussian import laplace_gap_from_losses
-from numpyro_blr.estimators.svi import BASELINE_SHRINK, extra_draws, loss_particles, shifted_draw_params
+from numpyro_blr.estimators.svi import (
+    BASELINE_SHRINK,
+    extra_draws,
+    finite_or_zero,
+    loss_particles,
+    reads_sample_offsets,
+    shifted_draw_params,
+)
 from numpyro_blr.layout import DIAGONAL, EXPFAM, FULL, POINT, apply_transform
 from numpyro_blr.parallel import check_guide_memory
-from numpyro_blr.report import FitTrace, empty_loss_blocks, fit_report, is_block_end, next_trace
+from numpyro_blr.report import FitTrace, empty_loss_band, empty_loss_blocks, fit_report, is_block_end, next_trace
 from numpyro_blr.rules.blr import (
     diagonal_precision_update,
     full_precision_update,
@@ -107,11 +114,6 @@ class BLRState(NamedTuple):
     curvature_switched: jax.Array = None
 
 
-def _finite_or_zero(x):
-    """A control-variate term is optional: drop it (not the step) if it could not be computed."""
-    return jnp.where(jnp.all(jnp.isfinite(x)), x, jnp.zeros_like(x))
-
-
 class BLR(GuideOptimizer):
     r"""The Bayesian learning rule for Gaussian guides, as a NumPyro optimizer.
 
@@ -127,10 +129,14 @@ class BLR(GuideOptimizer):
         or an optax schedule is used as given, for every block, with no average.
     :param hessian: how :math:`\mathbb{E}_q[\nabla^2\ell]` is estimated: ``"reparam"`` (Price/Stein,
         from the gradient w.r.t. the scale, with a same-noise baseline: two gradient passes),
-        ``"price"`` (the plain one-pass Price estimator), ``"autodiff"`` (exact Hessian at the sample;
+        ``"price"`` (the plain one-pass Price estimator), ``"hutchinson"`` (the diagonal of the exact
+        Hessian at the sample from one whitened Rademacher probe per block, one forward-over-reverse pass;
+        full-covariance blocks take ``"reparam"``'s estimate), ``"autodiff"`` (exact Hessian at the sample;
         small models) or ``"none"`` (keep the covariance; gradient descent). Default: ``"autodiff"``
-        when the Gaussian blocks hold at most 256 numbers or with ``delta=True``, ``"reparam"``
-        otherwise; point masses always use ``"autodiff"`` (or ``"none"``).
+        when the Gaussian blocks hold at most 256 numbers or with ``delta=True``, ``"hutchinson"``
+        otherwise; point masses always use ``"autodiff"`` (or ``"none"``). With the sampled estimators
+        and one draw of ``Trace_ELBO``, the mean gradient of diagonal blocks has the control variate
+        :math:`\nabla^2\ell(m)(z - m)` (:func:`~numpyro_blr.estimators.svi.sample_control`).
     :param delta: delta method: evaluate gradient and Hessian at the mean instead of a sample.
     :param momentum: heavy-ball coefficient :math:`\beta \in [0, 1)` on the mean gradient.
     :param improved: how the precision step stays positive definite
@@ -215,7 +221,7 @@ class BLR(GuideOptimizer):
         self.backtrack = bool(backtrack)
         if hessian is not None and hessian not in HESSIANS:
             raise ValueError(f"hessian must be one of {HESSIANS} or None, got {hessian!r}.")
-        if delta and hessian in ("reparam", "price"):
+        if delta and hessian in ("reparam", "price", "hutchinson"):
             raise ValueError(
                 f"hessian={hessian!r} reads the curvature off a sample of the guide; the delta method "
                 "(delta=True) evaluates at the mean, so use hessian='autodiff' or 'none'."
@@ -247,7 +253,7 @@ class BLR(GuideOptimizer):
         if self.delta:
             return "autodiff"
         dim = sum(int(np.prod(params[b.loc].shape)) for b in layout.blocks if b.kind in (DIAGONAL, FULL))
-        return "autodiff" if dim <= AUTODIFF_MAX_DIM else "reparam"
+        return "autodiff" if dim <= AUTODIFF_MAX_DIM else "hutchinson"
 
     def _point_dim(self, params, layout):
         return sum(int(np.prod(params[b.loc].shape)) for b in layout.blocks if b.kind == POINT)
@@ -356,6 +362,7 @@ class BLR(GuideOptimizer):
             damping=full((), 1),
             loss_blocks=empty_loss_blocks(dtype),
             loss_blocks_clipped=empty_loss_blocks(dtype),
+            loss_band=empty_loss_band(dtype),
         )
         averaged = self._averaged(params, layout)
         draws = self._draws(params, layout)
@@ -446,7 +453,7 @@ class BLR(GuideOptimizer):
         over 100 noise-dominated steps.
         """
         full = [params[b.loc].shape[-1] for b in layout.blocks if b.kind == FULL]
-        if full and self.hessian_for(params, layout) in ("price", "reparam"):
+        if full and self.hessian_for(params, layout) in ("price", "reparam", "hutchinson"):
             return adaptive_decay(min(0.5, 1.0 / max(full)), 100)
         return adaptive_decay(0.5, 10)
 
@@ -472,6 +479,8 @@ class BLR(GuideOptimizer):
         (loss, aux), grads, stats, points, joint_hess, *mean_loss = estimate(
             fn, params, layout, hessian, self.delta, forward_mode, self.point_hessian,
             with_mean_loss=self.backtrack or gap_on, control_variate=loss_particles(loss_fn) == 1,
+            sample_offsets=reads_sample_offsets(loss_fn),
+            key=jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(self.seed), i), 0x7FFFFFFE),  # the probes
         )
         # The estimates pass an optimization barrier: materialised once, where XLA would otherwise fuse
         # copies of the estimator's internals (the loss's tail, the Hessian's last products) into the
@@ -545,8 +554,11 @@ class BLR(GuideOptimizer):
                 if b in joint:  # mean already stepped with the joint preconditioner
                     direction[b.loc] = jnp.concatenate([direction[b.loc]] + curvature)
                 else:
-                    if st.offset is not None:
-                        control[b.loc] = _finite_or_zero(st.offset / scale**2)
+                    if st.control is not None:  # the estimator's own (estimators.svi.sample_control)
+                        control[b.loc] = st.control
+                        g = g - control[b.loc]
+                    elif st.offset is not None:
+                        control[b.loc] = finite_or_zero(st.offset / scale**2)
                         g = g - control[b.loc]
                     new_mom[b.loc], mbar = momentum_update(s.momentum[b.loc], g, self.momentum, t)
                     new_params[b.loc] = m - lr * (mbar if st.h is None else mbar / prec)
@@ -557,7 +569,7 @@ class BLR(GuideOptimizer):
                 tril = b.transform(params[b.scale])
                 if st.offset is not None:  # S (z - m) = L^-T L^-1 (z - m)
                     whitened = solve_triangular(tril, st.offset, lower=True)
-                    control[b.loc] = _finite_or_zero(solve_triangular(tril.T, whitened, lower=False))
+                    control[b.loc] = finite_or_zero(solve_triangular(tril.T, whitened, lower=False))
                     g = g - control[b.loc]
                 new_mom[b.loc], mbar = momentum_update(s.momentum[b.loc], g, self.momentum, t)
                 u = tril.T @ g
@@ -855,7 +867,7 @@ class BLR(GuideOptimizer):
         offsets = [stats[b.loc].offset for b in joint]
         if all(o is not None for o in offsets):
             offset = jnp.concatenate([o.reshape(-1) for o in offsets])
-            cv = _finite_or_zero(solve_triangular(tril.T, solve_triangular(tril, offset, lower=True), lower=False))
+            cv = finite_or_zero(solve_triangular(tril.T, solve_triangular(tril, offset, lower=True), lower=False))
             g = g - cv
             start = 0
             for b, size in zip(joint, sizes):

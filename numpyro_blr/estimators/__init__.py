@@ -12,8 +12,9 @@ Modules:
 
 ==========================  ================================================================
 :mod:`.svi`                 Gaussian blocks of a NumPyro guide, from SVI's ELBO loss: Price /
-                            reparameterisation (``"reparam"``, ``"price"``), exact Hessian
-                            (``"autodiff"``), delta method (``delta=True``), none
+                            reparameterisation (``"reparam"``, ``"price"``), Hutchinson's
+                            diagonal (``"hutchinson"``), exact Hessian (``"autodiff"``), delta
+                            method (``delta=True``), none
 :mod:`.mixture`             mixture of Gaussians, per component: responsibility-weighted Monte
                             Carlo (``reparam``, exact or Price Hessian), delta method at the
                             means (``delta``); ``grad`` a ``MixtureGrad(means, logits)``
@@ -38,7 +39,9 @@ Gaussian prior's precision per example; ``delta`` the delta method (evaluate at 
 form, :math:`\hat H = \operatorname{sym}(\nabla_L \hat\ell\,\varepsilon^{-1})` read from the
 gradient w.r.t. the scale, with the same draw's baseline subtracted (two gradient passes, low
 variance); ``"price"`` is the one-pass form :math:`\hat H = S(z-m)\hat g^\top` symmetrised;
-``"autodiff"`` the exact Hessian at the sample (forward-over-reverse); ``"none"`` keeps the
+``"hutchinson"`` the diagonal of the exact Hessian at the sample from one whitened Rademacher probe per
+block, :math:`\hat h_i = v_i[\nabla^2\ell(z)(s\odot v)]_i/s_i` (one forward-over-reverse pass; full blocks take
+``"reparam"``); ``"autodiff"`` the exact Hessian at the sample (forward-over-reverse); ``"none"`` keeps the
 covariance (gradient descent on the mean).
 """
 
@@ -73,9 +76,12 @@ from numpyro_blr.estimators.svi import (  # noqa: E402
     at_mean,
     estimate,
     hoist_constant_work,
+    hutchinson_diagonal,
     reparam_hessian_diagonal,
     reparam_hessian_full,
     reparam_whitened_hessian,
+    sample_control,
+    sample_offset,
 )
 
 __all__ = [
@@ -84,7 +90,10 @@ __all__ = [
     "at_mean",
     "estimate",
     "hoist_constant_work",
+    "hutchinson_diagonal",
     "reparam_hessian_diagonal",
     "reparam_hessian_full",
     "reparam_whitened_hessian",
+    "sample_control",
+    "sample_offset",
 ]
