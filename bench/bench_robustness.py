@@ -158,6 +158,9 @@ def first_stable_match(checkpoints, comps):
     return first
 
 
+OPT_MAX_PARAMS = 5000  # ELBO* of a full Gaussian with more parameters is left out (BFGS's memory)
+
+
 def safe_elbo(case, guide, params, key):
     try:
         v = rc.elbo(case.model, guide, params, case.args, case.kwargs, n_particles=2000, key=key)
@@ -256,7 +259,8 @@ def main():
             e_adam = safe_elbo(case, adam.guide, adam.params[-1], ekey)
             e_500 = safe_elbo(case, blr.guide, blr.params_at(500), ekey) if args.steps >= 500 else float("nan")
             e_opt = float("nan")
-            if not args.no_opt:
+            # BFGS keeps a dense inverse Hessian over the full Gaussian's d(d+3)/2 parameters: 17 GB at d = 304
+            if not args.no_opt and (gname == "MF" or d * (d + 3) // 2 <= OPT_MAX_PARAMS):
                 try:
                     opt = rc.optimal_guide_params(case, blr.guide, adam.params[-1], diagonal=gname == "MF")
                     e_opt = safe_elbo(case, blr.guide, opt, ekey)

@@ -428,6 +428,18 @@ def softmax_regression(X, n_classes, y=None):
         numpyro.sample("y", dist.Categorical(logits=b + X @ W), obs=y)
 
 
+def varying_intercepts(x, group, n_groups, y=None):
+    """Varying intercepts with an unknown noise scale, non-centred by hand (``a = tau * z``), as users write it."""
+    mu = numpyro.sample("mu", dist.Normal(0.0, 5.0))
+    b = numpyro.sample("b", dist.Normal(0.0, 5.0))
+    tau = numpyro.sample("tau", dist.HalfNormal(2.0))
+    sigma = numpyro.sample("sigma", dist.HalfNormal(2.0))
+    with numpyro.plate("groups", n_groups):
+        z = numpyro.sample("z", dist.Normal(0.0, 1.0))
+    with numpyro.plate("data", x.shape[0]):
+        numpyro.sample("y", dist.Normal(mu + tau * z[group] + b * x, sigma), obs=y)
+
+
 def ar1(y):
     """AR(1) with its coefficient bounded to (-1, 1) (posteriordb arK's shape, K = 1)."""
     alpha = numpyro.sample("alpha", dist.Normal(0.0, 5.0))
@@ -567,6 +579,14 @@ def _volatility_data(seed=9, n=80):
     rng = np.random.default_rng(seed)
     h = np.cumsum(0.15 * rng.normal(size=n))
     return np.exp(h / 2) * rng.normal(size=n)
+
+
+def _varying_intercepts_data(seed=1, n_groups=300, per_group=8):
+    rng = np.random.default_rng(seed)
+    group = np.repeat(np.arange(n_groups), per_group)
+    x = rng.normal(size=group.size) * 3.0 + 2.0  # unstandardised
+    y = 1.0 + 0.8 * rng.normal(size=n_groups)[group] + 0.5 * x + rng.normal(size=group.size)
+    return x, group, n_groups, y
 
 
 def _exposure_data(seed=13, n=200):
@@ -845,9 +865,30 @@ def _probe_cases():
 BREAST_CANCER_RAW_COLUMNS = tuple(range(30))
 
 
+def _large_cases():
+    """Two models with more than 256 latent numbers, where ``nb.BLR()``'s default estimates the curvature by
+    sampling (``hessian="hutchinson"`` for mean-field blocks, ``"reparam"`` for full ones) instead of the exact
+    Hessian: many groups of few rows, a few global scales coupled to every group. References: NUTS float64,
+    2 chains."""
+    out = []
+    x, group, n_groups, y = _varying_intercepts_data()
+    args = (x, group, n_groups)
+    ref, refc = _make_reference("varying_intercepts_300", _nuts_chains(varying_intercepts, args, {"y": y}))
+    out.append(Case("varying_intercepts_300", varying_intercepts, args, {"y": y}, ref, False, False,
+                    "synthetic (seeded) 300 groups x 8, unstandardised predictor, unknown noise; 304 latent numbers",
+                    refc))
+    x, group, n_groups, y = _hier_logistic_data(seed=20261127, n_groups=400, per_group=6)
+    args = (x, group, n_groups)
+    ref, refc = _make_reference("hierarchical_logistic_400", _nuts_chains(hierarchical_logistic, args, {"y": y},
+                                                                          dense_mass=False, target_accept_prob=0.9))
+    out.append(Case("hierarchical_logistic_400", hierarchical_logistic, args, {"y": y}, ref, False, False,
+                    "hierarchical_logistic's model, 400 groups x 6 (LocScaleReparam); 404 latent numbers", refc))
+    return out
+
+
 @functools.lru_cache(maxsize=None)
 def _all_cases():
-    cs = _pdb_cases() + _other_cases() + _probe_cases()
+    cs = _pdb_cases() + _other_cases() + _probe_cases() + _large_cases()
     order = {n: i for i, n in enumerate(CASE_ORDER)}
     return tuple(sorted(cs, key=lambda c: order.get(c.name, len(order))))
 

@@ -150,7 +150,8 @@ def _best_gaussian(case, guide_cls, args, diagonal):
     key, ekey = jax.random.PRNGKey(0), jax.random.PRNGKey(1)
     ref = b.Run.as_svi_run(case, guide_cls, nb.BLR(), args.steps, 10, key)
     cands = [b.safe_elbo(case, ref.guide, ref.params[-1], ekey)]
-    if not args.no_opt:
+    d = b.rc.n_params(case)
+    if not args.no_opt and (diagonal or d * (d + 3) // 2 <= b.OPT_MAX_PARAMS):
         try:
             opt = b.rc.optimal_guide_params(case, ref.guide, ref.params[-1], diagonal=diagonal)
             cands.append(b.safe_elbo(case, ref.guide, opt, ekey))
