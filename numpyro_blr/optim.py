@@ -134,9 +134,10 @@ class BLR(GuideOptimizer):
         full-covariance blocks take ``"reparam"``'s estimate), ``"autodiff"`` (exact Hessian at the sample;
         small models) or ``"none"`` (keep the covariance; gradient descent). Default: ``"autodiff"``
         when the Gaussian blocks hold at most 256 numbers or with ``delta=True``, ``"hutchinson"``
-        otherwise; point masses always use ``"autodiff"`` (or ``"none"``). With the sampled estimators
-        and one draw of ``Trace_ELBO``, the mean gradient of diagonal blocks has the control variate
-        :math:`\nabla^2\ell(m)(z - m)` (:func:`~numpyro_blr.estimators.svi.sample_control`).
+        otherwise; point masses always use ``"autodiff"`` (or ``"none"``). With ``"hutchinson"`` and one
+        draw of ``Trace_ELBO``, the mean gradient of diagonal blocks has the control variate
+        :math:`\nabla^2\ell(m)(z - m)` (:func:`~numpyro_blr.estimators.svi.sample_control`: one more pass,
+        at the mean).
     :param delta: delta method: evaluate gradient and Hessian at the mean instead of a sample.
     :param momentum: heavy-ball coefficient :math:`\beta \in [0, 1)` on the mean gradient.
     :param improved: how the precision step stays positive definite

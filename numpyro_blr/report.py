@@ -52,7 +52,8 @@ parameters (and, with the guide, the sites) concerned and the one change that fi
   and either firing reports: a few far draws on a log-scale site (single losses of 300-730 nats against a
   median near 100, float32 ``AutoNormal`` on that case) set the plain blocks' standard error (a drop of
   3.6 +- 2.5 nats, silent before) where the winsorised ones still show the drift (5.0 +- 1.3); the band follows
-  the winsorised losses (``FitTrace.loss_band``), so that a burst of far losses does not widen it. A drop
+  the winsorised losses (``FitTrace.loss_band``), so that a burst of far losses does not widen it, and their drop
+  must exceed ``STILL_FALLING_CLIPPED_NATS``. A drop
   is only reported when some mean also moved at least ``MOVED_SDS`` sds since the last block began, or the
   drop exceeds ``STILL_FALLING_ALONE_NATS``: the losses are those of the iterates, which jitter around the
   optimum less as the step size decays, so their average can fall by a few nats while the returned (averaged)

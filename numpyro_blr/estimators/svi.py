@@ -494,9 +494,9 @@ def estimate(fn, params, layout, hessian="reparam", delta=False, forward_mode=Fa
     ``control_variate=False`` leaves out the sample's offset :math:`z - m` (``BlockStats.offset``): it is
     solved from the Hessian and its product with the offset, which for a loss averaged over several
     particles are averages over the particles, and the solution is then not the average offset (a biased
-    control variate; :func:`loss_particles`). ``sample_offsets=True`` gives the diagonal blocks of the other
-    estimators their offset too, read off the gradients (:func:`sample_offset`; only for a loss of which
-    :func:`reads_sample_offsets`). ``key``: the probes of ``hessian="hutchinson"``
+    control variate; :func:`loss_particles`). ``sample_offsets=True`` gives ``"hutchinson"``'s blocks their offset
+    too, read off the gradients (:func:`sample_offset`; only for a loss of which :func:`reads_sample_offsets`), and
+    the control variate :func:`sample_control` (``BlockStats.control``). ``key``: the probes of ``hessian="hutchinson"``
     (:func:`hutchinson_diagonal`; full blocks then take ``"reparam"``'s estimate, as a probe gives no
     off-diagonal).
     """
@@ -592,11 +592,13 @@ def estimate(fn, params, layout, hessian="reparam", delta=False, forward_mode=Fa
             else:
                 whitened = _whitened_hessian_from_transpose(scale, a)
                 h = reparam_hessian_full(scale, a.T)  # XLA drops it when only `whitened` is used
-        if b.kind == DIAGONAL and method in ("reparam", "price", "hutchinson") and sample_offsets and control_variate:
+        if method == "hutchinson" and sample_offsets and control_variate:
             offset_of[b.loc] = sample_offset(b, params, grads)
         stats[b.loc] = BlockStats(g, h, offset_of.get(b.loc), whitened)
 
-    read = {b.loc: offset_of[b.loc] for b in sampled + probed if b.kind == DIAGONAL and b.loc in offset_of}
+    # Price's estimators ("reparam", "price": nb.von(), the deep-learning rows) keep their published form: one
+    # pass over the data per step (one all-reduce when it is sharded), where this control variate is a second
+    read = {b.loc: offset_of[b.loc] for b in probed if b.loc in offset_of}
     if read:
         for n, c in sample_control(fn, params, layout, read, forward_mode).items():
             stats[n] = stats[n]._replace(control=c)

@@ -1,6 +1,6 @@
-"""nb.BLR()'s curvature above 256 latent numbers (``hessian="hutchinson"``) and the control variate of sampled
-estimators: Hutchinson's diagonal with one whitened Rademacher probe per block, the sample's offset read off the
-gradients, and the control variate :math:`\\nabla^2\\ell(m)(z - m)` (numpyro_blr.estimators.svi)."""
+"""nb.BLR()'s curvature above 256 latent numbers (``hessian="hutchinson"``): Hutchinson's diagonal with one whitened
+Rademacher probe per block, the sample's offset read off the gradients, and the control variate
+:math:`\\nabla^2\\ell(m)(z - m)` of the mean gradient (numpyro_blr.estimators.svi)."""
 
 import jax
 import jax.numpy as jnp
@@ -108,9 +108,12 @@ def test_sample_offset_read_off_the_gradients_is_the_draws_offset():
                 fn = make(jax.random.PRNGKey(k))
                 exact = estimate(fn, raw, layout, "autodiff")[2]
                 read = estimate(fn, raw, layout, "hutchinson", key=jax.random.PRNGKey(0), sample_offsets=True)[2]
+                price = estimate(fn, raw, layout, "reparam", sample_offsets=True)[2]
                 for n in ("w_auto_loc", "b_auto_loc"):
                     np.testing.assert_allclose(read[n].offset, exact[n].offset, rtol=tol, atol=tol)
                     assert read[n].control is not None
+                    # Price's estimators keep their published one-pass form (nb.von(), the deep-learning rows)
+                    assert price[n].control is None and price[n].offset is None
 
 
 def test_sample_offsets_only_for_one_draw_of_a_trace_elbo(grouped):
