@@ -66,6 +66,11 @@ from numpyro_blr.svi import GuideAlgorithm, GuideOptimizer, GuideStep
 
 
 AUTODIFF_MAX_DIM = 256
+# a guide of full-covariance blocks only keeps the exact Hessian up to this many numbers: its step is O(D^3) anyway,
+# and the sampled full estimate ("reparam", rho_0 = 1/D) was 528-685 nats short after 1,000 steps at D = 304-404
+# where the exact Hessian reached the best full Gaussian in 100 steps (bench/robustness_cases.py's
+# varying_intercepts_300, hierarchical_logistic_400; docs/robustness.md)
+FULL_AUTODIFF_MAX_DIM = 1024
 BACKTRACK_TRIES = 8
 GAP_WINDOW = 200  # Laplace-gap draws kept for the end-of-run report (delta method)
 CURVATURE_DRAWS = 8  # draws per step once the one-draw curvature is too noisy (default: on a rerun only, BLR.rerun_optimizer)
@@ -133,7 +138,8 @@ class BLR(GuideOptimizer):
         Hessian at the sample from one whitened Rademacher probe per block, one forward-over-reverse pass;
         full-covariance blocks take ``"reparam"``'s estimate), ``"autodiff"`` (exact Hessian at the sample;
         small models) or ``"none"`` (keep the covariance; gradient descent). Default: ``"autodiff"``
-        when the Gaussian blocks hold at most 256 numbers or with ``delta=True``, ``"hutchinson"``
+        when the Gaussian blocks hold at most 256 numbers (1,024 when all of them are full-covariance
+        blocks, whose step is :math:`O(D^3)` anyway) or with ``delta=True``, ``"hutchinson"``
         otherwise; point masses always use ``"autodiff"`` (or ``"none"``). With ``"hutchinson"`` and one
         draw of ``Trace_ELBO``, the mean gradient of diagonal blocks has the control variate
         :math:`\nabla^2\ell(m)(z - m)` (:func:`~numpyro_blr.estimators.svi.sample_control`: one more pass,
@@ -253,8 +259,11 @@ class BLR(GuideOptimizer):
             return self.hessian
         if self.delta:
             return "autodiff"
-        dim = sum(int(np.prod(params[b.loc].shape)) for b in layout.blocks if b.kind in (DIAGONAL, FULL))
-        return "autodiff" if dim <= AUTODIFF_MAX_DIM else "hutchinson"
+        gauss = [b for b in layout.blocks if b.kind in (DIAGONAL, FULL)]
+        dim = sum(int(np.prod(params[b.loc].shape)) for b in gauss)
+        if dim <= AUTODIFF_MAX_DIM or (all(b.kind == FULL for b in gauss) and dim <= FULL_AUTODIFF_MAX_DIM):
+            return "autodiff"
+        return "hutchinson"
 
     def _point_dim(self, params, layout):
         return sum(int(np.prod(params[b.loc].shape)) for b in layout.blocks if b.kind == POINT)
