@@ -519,17 +519,34 @@ def evidence_report(result, optimizer=None, guide=None):
     problems, keys = [], []
 
     low_precision = _params_dtype(s.params) == np.float32
+    float32 = (" In float32 an exp or a power of data on a large scale overflows far sooner (float32's largest "
+               "value is 3.4e38): enable 64-bit floats (numpyro.enable_x64() at the start of the program) or put "
+               "the data on a unit scale (times in years, not days; standardised predictors)."
+               if low_precision else "")
+    if steps and skipped >= steps:  # no step was kept: the guide is where it started, and that is all to say
+        sampled = f" (its sampled losses were {best:.3g} and above)" if np.isfinite(best) else ""
+        halved = f", and the step size was halved {halvings} time(s), to {rho:.3g}" if halvings else ""
+        problems.append(
+            f"nb.BLR kept none of its {steps} steps: at every step the loss, its gradient or the update was not finite "
+            f"(for parameter(s) {bad_params}), so the guide is still at its initial values{sampled}{halved}. Either "
+            "the model's log density is not finite near those values, or it or its derivatives overflow there: by "
+            "default NumPyro's autoguides start from init_to_uniform (unconstrained values uniform in (-2, 2), spread "
+            "by init_scale=0.1), which puts a linear predictor far out of exp's range when predictors are in raw "
+            "units (a column in the hundreds). Put the predictors on a unit scale (standardise them: a coefficient "
+            "per sd instead of per unit), or start the guide where you know the log density is finite "
+            "(init_loc_fn=init_to_value(values=...), a smaller init_scale)."
+            + float32
+        )
+        keys.append(("never moved", skipped))
+        return FitReport(steps, skipped, bad_params, rho, halvings, avg, best, sd, False, {}, [], problems, keys)
     if skipped:
         damped = f", and the step size was halved {halvings} time(s), to {rho:.3g}" if halvings else ""
-        float32 = (" In float32 an exp or a power of data on a large scale overflows far sooner (float32's largest "
-                   "value is 3.4e38): enable 64-bit floats (numpyro.enable_x64() at the start of the program) or put "
-                   "the data on a unit scale (times in years, not days; standardised predictors)."
-                   if low_precision else "")
         problems.append(
             f"nb.BLR skipped {skipped} step(s) (step count {steps}) because of a non-finite loss, gradient or update, for "
             f"parameter(s) {bad_params}; those steps kept the last finite values{damped}. Check the model's "
-            "log density at the current guide (a scale or rate that reaches 0, an overflowing exp), pass a "
-            "smaller lr, or use SVI.run(..., stable_update=True)." + float32
+            "log density at the current guide (a scale or rate that reaches 0, an overflowing exp: predictors in raw "
+            "units, a column in the hundreds, put exp(X @ beta) out of range from NumPyro's default start, so "
+            "standardise them), pass a smaller lr, or use SVI.run(..., stable_update=True)." + float32
         )
         keys.append(("skipped", skipped))
 

@@ -4,7 +4,8 @@
   python runner.py fit64 [names] [--no-adam]  # float64 nb.fit MVN + MF (1000 steps) and Adam(0.01) 10k -> out/*.pkl
   python runner.py fit32 [names]              # float32 nb.fit MVN + MF -> out/*.pkl
   python runner.py eval  [names]              # float64: moments vs NUTS, ELBO (2000 particles, fixed key) -> table
-  options: --steps N, --tag T, --optim 'nb.BLR(hessian="reparam")' (an expression; tag names the run)
+  options: --steps N, --tag T, --optim 'nb.BLR(hessian="reparam")' (an expression; tag names the run),
+           --set structures (structures.py's models, results in out_structures/)
 """
 import argparse
 import json
@@ -17,8 +18,7 @@ import traceback
 import warnings
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-OUT = os.path.join(HERE, "out")
-os.environ.setdefault("ROBUSTNESS_CACHE", os.path.join(HERE, "cache"))  # not the suite's cache
+SETS = {"families": ("models", "out"), "structures": ("structures", "out_structures")}
 
 ap = argparse.ArgumentParser()
 ap.add_argument("phase", choices=["ref", "fit64", "fit32", "eval"])
@@ -29,7 +29,11 @@ ap.add_argument("--optim", default="nb.BLR()")
 ap.add_argument("--guides", default="MVN,MF")
 ap.add_argument("--no-adam", action="store_true")
 ap.add_argument("--adam-steps", type=int, default=10000)
+ap.add_argument("--set", choices=sorted(SETS), default="families",
+                help="the models: models.py (families, out/) or structures.py (structures, out_structures/)")
 ARGS = ap.parse_args()
+OUT = os.path.join(HERE, SETS[ARGS.set][1])
+os.environ.setdefault("ROBUSTNESS_CACHE", os.path.join(HERE, "cache"))  # not the suite's cache
 
 import jax  # noqa: E402
 
@@ -45,7 +49,9 @@ import numpyro_blr as nb  # noqa: E402
 
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))  # bench/: robustness_cases
-import models as M  # noqa: E402
+import importlib  # noqa: E402
+
+M = importlib.import_module(SETS[ARGS.set][0])
 import robustness_cases as rc  # noqa: E402
 
 GUIDES = {"MVN": AutoMultivariateNormal, "MF": AutoNormal}

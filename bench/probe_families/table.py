@@ -1,14 +1,15 @@
 """Print the markdown table of all evaluated runs (out/eval_*.pkl)."""
-import glob, json, math, pickle, os
+import glob, json, math, pickle, os, sys
 HERE = os.path.dirname(os.path.abspath(__file__))
+OUT = "out_structures" if "structures" in sys.argv[1:] else "out"  # python table.py [structures]
 def f(x, s):
     return "nan" if x is None or (isinstance(x, float) and not math.isfinite(x)) else format(x, s)
 print("| model | d | NUTS ref (R-hat, min ESS, div) | guide | prec | max mean err (NUTS sd) | sd ratio | ELBO | gap vs Adam10k | gap vs best | warnings (first 150 chars) | verdict |")
 print("|---|---|---|---|---|---|---|---|---|---|---|---|")
-for fn in sorted(glob.glob(os.path.join(HERE, "out/eval_*.pkl"))):
+for fn in sorted(glob.glob(os.path.join(HERE, f"{OUT}/eval_*.pkl"))):
     rows = pickle.load(open(fn, "rb"))
     name = rows[0]["name"]
-    dg = json.load(open(os.path.join(HERE, f"out/ref_{name}.json")))
+    dg = json.load(open(os.path.join(HERE, f"{OUT}/ref_{name}.json")))
     ref = f"{dg['max_rhat']:.4f}, {dg['min_ess']:.0f}, {dg['divergences']}"
     for r in sorted(rows, key=lambda r: (r["guide"] != "MVN", r["optim"].startswith("adam"), r["prec"])):
         if r["optim"].startswith("adam"):

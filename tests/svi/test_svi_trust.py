@@ -181,3 +181,44 @@ def test_ivon_fit_far_from_converged_is_reported(data):
     result, messages = _run(regression, AutoNormal(regression), IVON(**settings), 600, X, y)
     assert not [m for m in messages if m.startswith("IVON")], messages
     assert np.allclose(result.params["beta_auto_loc"], [1.0, -2.0, 0.5], atol=0.3)
+
+
+def gamma_glm(X, y=None):
+    """A Gamma GLM with a log link and an unknown shape, as NumPyro users write it (rate = shape / mean)."""
+    alpha = numpyro.sample("alpha", dist.Normal(0.0, 5.0))
+    beta = numpyro.sample("beta", dist.Normal(0.0, 1.0).expand([X.shape[1]]).to_event(1))
+    shape = numpyro.sample("shape", dist.Gamma(2.0, 0.5))
+    mean = jax.numpy.exp(alpha + X @ beta)
+    with numpyro.plate("N", X.shape[0]):
+        numpyro.sample("y", dist.Gamma(shape, shape / mean), obs=y)
+
+
+@pytest.mark.slow  # two nb.fit compilations (about 5 s cold)
+def test_a_fit_that_never_left_its_start_says_so_and_what_to_change():
+    """scikit-learn's diabetes data in raw units (age in years, BMI, blood pressure in mm Hg, cholesterol in mg/dl;
+    bench/probe_families/structures.py's gamma_glm_raw): NumPyro's default start puts the linear predictor near
+    -260, the model's Hessian (through rate = shape / mean, mean = exp(eta)) overflows there, and every step is
+    skipped. Before, the report said the fit "diverged" and to pass hessian='reparam' (which fails as well); now one
+    sentence says no step was kept and to standardise the predictors, which then fits with no warning (both
+    precisions, both guides, three seeds each in bench/probe_families)."""
+    from sklearn.datasets import load_diabetes
+
+    X, y = load_diabetes(return_X_y=True, scaled=False)
+    X = np.asarray(X[:, [0, 2, 3, 4]], np.float64)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = nb.fit(gamma_glm, AutoNormal(gamma_glm), X, y, num_steps=30, progress_bar=False,
+                        rng_key=jax.random.PRNGKey(0))
+    report = nb.fit_report(result)
+    assert report.skipped_steps == 30 and len(report.problems) == 1, report
+    assert "kept none of its 30 steps" in report.problems[0] and "standardise" in report.problems[0], report
+    assert [str(w.message) for w in caught if "kept none" in str(w.message)] == report.problems
+    assert not any("diverged" in str(w.message) or "hessian='reparam'" in str(w.message) for w in caught)
+
+    X_std = (X - X.mean(0)) / X.std(0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = nb.fit(gamma_glm, AutoNormal(gamma_glm), X_std, y, num_steps=1000, progress_bar=False,
+                        rng_key=jax.random.PRNGKey(0))
+    assert not [w for w in caught if issubclass(w.category, RuntimeWarning)], [str(w.message) for w in caught]
+    assert not nb.fit_report(result).problems

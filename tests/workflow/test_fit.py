@@ -205,6 +205,59 @@ def test_refit_with_new_data_does_not_compile(compiles):
     assert not np.allclose(other.losses[:3], again.losses[:3])
 
 
+def local_level(y):
+    """A random walk observed with noise, written with NumPyro's ``scan``: the observations are scan's ``xs``."""
+    from numpyro.contrib.control_flow import scan
+
+    sigma_obs = numpyro.sample("sigma_obs", dist.HalfNormal(1.0))
+    sigma_level = numpyro.sample("sigma_level", dist.HalfNormal(0.5))
+    x0 = numpyro.sample("x0", dist.Normal(0.0, 5.0))
+
+    def transition(x_prev, y_t):
+        x = numpyro.sample("x", dist.Normal(x_prev, sigma_level))
+        numpyro.sample("y", dist.Normal(x, sigma_obs), obs=y_t)
+        return x, None
+
+    scan(transition, x0, y)
+
+
+def item_response(y):
+    """Persons x items in crossed plates (dims -2 and -1), a 2-D observed site."""
+    sigma_b = numpyro.sample("sigma_b", dist.HalfNormal(2.0))
+    with numpyro.plate("items", y.shape[1], dim=-1):
+        b = numpyro.sample("b", dist.Normal(0.0, sigma_b))
+    with numpyro.plate("persons", y.shape[0], dim=-2):
+        theta = numpyro.sample("theta", dist.Normal(0.0, 1.0))
+    with numpyro.plate("persons", y.shape[0], dim=-2), numpyro.plate("items", y.shape[1], dim=-1):
+        numpyro.sample("y", dist.Bernoulli(logits=theta - b), obs=y)
+
+
+def _structure_data(model, seed):
+    rng = np.random.default_rng(seed)
+    if model is local_level:
+        return np.cumsum(0.3 * rng.standard_normal(20)) + 0.5 * rng.standard_normal(20)
+    return (rng.random((12, 4)) < 0.5).astype(np.float64)
+
+
+@pytest.mark.slow  # two compilations per model
+@pytest.mark.parametrize("model", [local_level, item_response], ids=["scan", "crossed_plates"])
+def test_structures_fit_as_svi_run_and_refit_without_compiling(model, compiles):
+    """Structures of bench/probe_families/structures.py: nb.fit gives svi.run's fit to rounding (float64) and a
+    second data set of the same shapes (scan's xs, a 2-D observed site) is the same program."""
+    with jax.enable_x64(True):
+        y = _structure_data(model, 0)
+        key = jax.random.PRNGKey(1)
+        res = nb.fit(model, AutoNormal(model), y, num_steps=30, rng_key=key, progress_bar=False)
+        ref = SVI(model, AutoNormal(model), nb.BLR(), nb.Trace_ELBO()).run(key, 30, y, progress_bar=False)
+        for k in ref.params:
+            np.testing.assert_allclose(res.params[k], ref.params[k], rtol=1e-9, atol=1e-12)
+        y2 = _structure_data(model, 1)
+        with compiles:
+            res2 = nb.fit(model, AutoNormal(model), y2, num_steps=30, rng_key=key, progress_bar=False)
+        assert compiles.count == 0
+        assert not np.allclose(res2.losses, res.losses)
+
+
 def local_means(y=None):
     """A latent site per observation: the guide's parameters take the data's shape."""
     mu = numpyro.sample("mu", dist.Normal(0.0, 5.0))
