@@ -221,8 +221,9 @@ def _optimizer_key(optim):
 
     if isinstance(optim, GuideOptimizer):
         # the arrays a hand-written guide is traced with give only its parameters' shapes, which JAX keys by
+        # (packed_guide: the fit's own guide, whose key is the program's already)
         config = {k: v for k, v in vars(optim).items() if k not in ("algorithm", "_traced_layouts", "_state_shapes",
-                                                                      "guide_args")}
+                                                                      "guide_args", "packed_guide")}
         return (type(optim).__qualname__, _freeze(config))
     return ("id", id(optim))
 
@@ -580,7 +581,7 @@ def _optimizer_text(optim):
 
     if not isinstance(optim, GuideOptimizer):
         raise _Unstable(type(optim).__qualname__)
-    config = {k: v for k, v in vars(optim).items() if k not in ("_traced_layouts", "_state_shapes")}
+    config = {k: v for k, v in vars(optim).items() if k not in ("_traced_layouts", "_state_shapes", "packed_guide")}
     return _type_name(type(optim)) + _stable(config, owner=optim)
 
 

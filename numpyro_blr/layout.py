@@ -22,6 +22,7 @@ transforms so that the optimizer converts exactly between raw values and ``(m, s
 fallback optimizer or reject it by name.
 """
 
+import dataclasses
 import re
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -49,6 +50,9 @@ class GaussianBlock:
     loc: str
     scale: Optional[str] = None
     scale_constraint: object = field(default=None, compare=False)
+    # the sizes of the sites packed one after another into a diagonal block's raveled loc (AutoDiagonalNormal's
+    # one vector; :func:`site_segments`), () for a block of one site
+    segments: tuple = ()
 
     @property
     def transform(self):
@@ -231,6 +235,23 @@ def _read_expfam(params, used):
 class Layout:
     blocks: tuple
     other: tuple  # parameter names that are not part of any Gaussian block
+
+
+def site_segments(layout, params, guide, prefix="auto"):
+    """``layout`` with the sizes of the sites that ``guide`` (NumPyro's ``AutoDiagonalNormal``, or another
+    ``AutoContinuous`` guide whose one vector is a diagonal block) packs into its ``'{prefix}_loc'``, in the order of its
+    latent vector (NumPyro's ``_init_locs``, raveled site by site), as that block's ``segments``. Unchanged where the
+    guide has not been set up, packs one site, or its sizes do not add up to the block's."""
+    locs = getattr(guide, "_init_locs", None)
+    name = f"{prefix}_loc"
+    if not isinstance(locs, dict) or len(locs) < 2 or name not in params:
+        return layout
+    sizes = tuple(int(np.prod(np.shape(v), dtype=np.int64)) for v in locs.values())
+    if sum(sizes) != int(np.size(params[name])) or np.ndim(params[name]) != 1:
+        return layout
+    blocks = tuple(dataclasses.replace(b, segments=sizes) if b.loc == name and b.kind == DIAGONAL else b
+                   for b in layout.blocks)
+    return Layout(blocks, layout.other)
 
 
 class GuideLayoutError(ValueError):

@@ -527,7 +527,7 @@ def evidence_report(result, optimizer=None, guide=None):
         sampled = f" (its sampled losses were {best:.3g} and above)" if np.isfinite(best) else ""
         halved = f", and the step size was halved {halvings} time(s), to {rho:.3g}" if halvings else ""
         problems.append(
-            f"nb.BLR kept none of its {steps} steps: at every step the loss, its gradient or the update was not finite "
+            f"nb.BLR kept none of its {steps} steps: at every step the loss, its gradient or the update was non-finite "
             f"(for parameter(s) {bad_params}), so the guide is still at its initial values{sampled}{halved}. Either "
             "the model's log density is not finite near those values, or it or its derivatives overflow there: by "
             "default NumPyro's autoguides start from init_to_uniform (unconstrained values uniform in (-2, 2), spread "

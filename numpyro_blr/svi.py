@@ -51,7 +51,7 @@ from numpyro_blr.guide_trace import (
     trace_layout,
 )
 from numpyro_blr.parallel import check_guide_memory
-from numpyro_blr.layout import GuideLayoutError, read_layout
+from numpyro_blr.layout import GuideLayoutError, read_layout, site_segments
 
 
 class GuideState(NamedTuple):
@@ -121,6 +121,8 @@ class GuideOptimizer(_NumPyroOptim):
             raise ValueError(f"guide must be a NumPyro guide (a callable), got {type(guide).__name__}.")
         self.guide_args = guide_call_args(guide, guide_args, guide_kwargs) if self.traced else None
         self._traced_layouts = {}
+        # an autoguide whose one vector packs several sites (AutoDiagonalNormal), to read their sizes (site_segments)
+        self.packed_guide = guide if _packs_sites(guide) else None
         self.prefix = prefix or getattr(guide, "prefix", None) or "auto"
         self.scale_constraint = getattr(guide, "scale_constraint", None)
         self.scale_tril_constraint = getattr(guide, "scale_tril_constraint", None)
@@ -146,7 +148,11 @@ class GuideOptimizer(_NumPyroOptim):
             return self
         if is_autoguide(guide):
             if getattr(guide, "prefix", self.prefix) == self.prefix:
-                return self
+                if not _packs_sites(guide) or self.packed_guide is guide:
+                    return self
+                new = self._rebound()  # AutoDiagonalNormal: its sites' sizes in its one vector (site_segments)
+                new.packed_guide = guide
+                return new
             new = self._rebound()
             new.guide, new.prefix = guide, guide.prefix
             new.scale_constraint = getattr(guide, "scale_constraint", None)
@@ -199,6 +205,8 @@ class GuideOptimizer(_NumPyroOptim):
             layout = self._traced_layouts[key]
         else:
             layout = read_layout(params, self.prefix, self.scale_constraint, self.scale_tril_constraint)
+            if self.packed_guide is not None:
+                layout = site_segments(layout, params, self.packed_guide, self.prefix)
         self.algorithm.check_layout(layout, params, self.prefix)
         if not layout.blocks and self.fallback is None:
             raise GuideLayoutError(
@@ -339,6 +347,14 @@ class GuideOptimizer(_NumPyroOptim):
         if stable:  # as NumPyro's stable update: a bad step keeps the iteration count and returns NaN
             return (jnp.where(ok, out.loss, jnp.nan), out.aux), (jnp.where(ok, i + 1, i), new_state)
         return (out.loss, out.aux), (i + 1, new_state)
+
+
+def _packs_sites(guide):
+    """Whether ``guide`` is one of NumPyro's ``AutoContinuous`` guides with a diagonal covariance over its one vector
+    (``AutoDiagonalNormal``), whose sites :func:`~numpyro_blr.layout.site_segments` reads."""
+    from numpyro.infer.autoguide import AutoDiagonalNormal
+
+    return isinstance(guide, AutoDiagonalNormal)
 
 
 def _all_finite(arrays):
