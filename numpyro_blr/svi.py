@@ -155,6 +155,7 @@ class GuideOptimizer(_NumPyroOptim):
                 return new
             new = self._rebound()
             new.guide, new.prefix = guide, guide.prefix
+            new.packed_guide = guide if _packs_sites(guide) else None
             new.scale_constraint = getattr(guide, "scale_constraint", None)
             new.scale_tril_constraint = getattr(guide, "scale_tril_constraint", None)
             return new
