@@ -275,8 +275,9 @@ SPECS = {
 }
 
 
-def get_data(name, float32=False):
-    args, kwargs = SPECS[name]["data"]()
+def get_data(name, float32=False, specs=None):
+    """The data of ``name`` in ``specs`` (default: this module's SPECS), its float64 arrays cast to float32 on request."""
+    args, kwargs = (specs or SPECS)[name]["data"]()
     if float32:
         cast = lambda a: a.astype(np.float32) if isinstance(a, np.ndarray) and a.dtype == np.float64 else a  # noqa: E731
         args = tuple(cast(a) for a in args)

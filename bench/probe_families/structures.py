@@ -12,6 +12,8 @@ import numpyro
 import numpyro.distributions as dist
 from numpyro.contrib.control_flow import scan
 
+import models  # bench/probe_families/models.py (the runner puts this folder on the path)
+
 
 def _std(X):
     return (X - X.mean(0)) / X.std(0)
@@ -213,9 +215,4 @@ SPECS = {
 
 
 def get_data(name, float32=False):
-    args, kwargs = SPECS[name]["data"]()
-    if float32:
-        cast = lambda a: a.astype(np.float32) if isinstance(a, np.ndarray) and a.dtype == np.float64 else a  # noqa: E731
-        args = tuple(cast(a) for a in args)
-        kwargs = {k: cast(v) for k, v in kwargs.items()}
-    return args, kwargs
+    return models.get_data(name, float32, specs=SPECS)
