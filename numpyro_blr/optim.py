@@ -199,6 +199,8 @@ class BLR(GuideOptimizer):
     *Handling the positive-definite constraint in the Bayesian learning rule*, ICML.
     """
 
+    reads_packed_sites = True  # AutoDiagonalNormal: a Hutchinson probe per site (estimators.svi.probe_directions)
+
     def __init__(
         self,
         lr: Union[float, Callable, None] = None,

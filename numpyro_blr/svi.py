@@ -111,6 +111,10 @@ class GuideOptimizer(_NumPyroOptim):
     :param prefix: the autoguide prefix (default ``"auto"``, or the guide's).
     """
 
+    # whether the algorithm reads the sites packed into one vector (site_segments: nb.BLR's probes); the others are
+    # not rebound to an AutoDiagonalNormal they are used with (what they record at init stays on the user's object)
+    reads_packed_sites = False
+
     def __init__(self, algorithm, *, fallback=None, guide=None, guide_args=None, guide_kwargs=None, prefix=None):
         self.algorithm = algorithm
         self.fallback = fallback_transformation(fallback)
@@ -122,7 +126,7 @@ class GuideOptimizer(_NumPyroOptim):
         self.guide_args = guide_call_args(guide, guide_args, guide_kwargs) if self.traced else None
         self._traced_layouts = {}
         # an autoguide whose one vector packs several sites (AutoDiagonalNormal), to read their sizes (site_segments)
-        self.packed_guide = guide if _packs_sites(guide) else None
+        self.packed_guide = guide if self.reads_packed_sites and _packs_sites(guide) else None
         self.prefix = prefix or getattr(guide, "prefix", None) or "auto"
         self.scale_constraint = getattr(guide, "scale_constraint", None)
         self.scale_tril_constraint = getattr(guide, "scale_tril_constraint", None)
@@ -148,14 +152,14 @@ class GuideOptimizer(_NumPyroOptim):
             return self
         if is_autoguide(guide):
             if getattr(guide, "prefix", self.prefix) == self.prefix:
-                if not _packs_sites(guide) or self.packed_guide is guide:
+                if not (self.reads_packed_sites and _packs_sites(guide)) or self.packed_guide is guide:
                     return self
                 new = self._rebound()  # AutoDiagonalNormal: its sites' sizes in its one vector (site_segments)
                 new.packed_guide = guide
                 return new
             new = self._rebound()
             new.guide, new.prefix = guide, guide.prefix
-            new.packed_guide = guide if _packs_sites(guide) else None
+            new.packed_guide = guide if self.reads_packed_sites and _packs_sites(guide) else None
             new.scale_constraint = getattr(guide, "scale_constraint", None)
             new.scale_tril_constraint = getattr(guide, "scale_tril_constraint", None)
             return new
