@@ -1325,9 +1325,72 @@ def cache_info():
 
 
 def cache_clear():
-    """Drop every compiled fit that :func:`fit` holds (JAX's own caches are not touched)."""
+    """Drop every compiled fit that :func:`fit` holds, and the diagnostics' programs (:func:`one_program`);
+    JAX's own caches are not touched."""
     with _CACHE_LOCK:
         _CACHE.clear()
+        _ONE_PROGRAMS.clear()
+
+
+# -- one program for a computation after the fit ------------------------------------------------------
+_ONE_PROGRAMS_SIZE = 16
+_ONE_PROGRAMS: "collections.OrderedDict" = collections.OrderedDict()
+DATA_IN_PYTHON = (jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError,
+                   jax.errors.TracerBoolConversionError, jax.errors.TracerIntegerConversionError)
+
+
+def one_program(fn, key, args, kwargs, inputs, owners=()):
+    """``fn(args, kwargs, inputs, meta)`` compiled as one program, with the array leaves of ``args``/``kwargs`` and
+    ``inputs`` as its arguments; returns ``(outputs, meta)``.
+
+    For the computations that follow a fit (the diagnostics' draws from the guide, the model traced at each draw,
+    log densities): run eagerly they are hundreds of one-operation programs, each compiled on first use (a first
+    ``to_datatree`` of a three-coefficient regression: 137 programs, 4.3 s), where one program compiles in a
+    fraction of that. ``fn`` records the Python values it finds while tracing (site names) in the dict ``meta``.
+    The jitted function is kept per (``key``, non-array arguments), so a second call on arrays of the same shapes
+    and dtypes compiles nothing; ``key`` holds whatever else ``fn`` depends on (the model and guide objects, the
+    number of draws). The attributes of ``owners`` (the guide) are put back after tracing: nothing traced is left
+    in them. A model that reads its data's values in Python (an ``if`` on the data, ``np.asarray(y)``) cannot be
+    traced: then ``fn`` runs eagerly, as it would without this function.
+    """
+    arrays, rebuild, signature = _split(args, kwargs)
+    full_key = (key, signature)
+    with _CACHE_LOCK:
+        entry = _ONE_PROGRAMS.get(full_key)
+        if entry is not None:
+            _ONE_PROGRAMS.move_to_end(full_key)
+    if entry is None:
+        metas, tracing = {}, [None]
+
+        def program(arrays, inputs):
+            saved = [_vars_copy(o) for o in owners]
+            try:
+                meta = {}
+                a, kw = rebuild(arrays)
+                out = fn(a, kw, inputs, meta)
+                metas[tracing[0]] = meta
+                return out
+            finally:
+                for o, v in zip(owners, saved):
+                    _assign_vars(o, v)
+
+        entry = (jax.jit(program), metas, tracing)
+        with _CACHE_LOCK:
+            _ONE_PROGRAMS[full_key] = entry
+            while len(_ONE_PROGRAMS) > _ONE_PROGRAMS_SIZE:
+                _ONE_PROGRAMS.popitem(last=False)
+    jitted, metas, tracing = entry
+    leaves, treedef = jax.tree.flatten((arrays, inputs))
+    tracing[0] = (treedef, tuple((str(jnp.result_type(x)), np.shape(x), bool(getattr(x, "weak_type", False))) for x in leaves))
+    try:
+        out = jitted(arrays, inputs)
+    except DATA_IN_PYTHON:
+        with _CACHE_LOCK:
+            _ONE_PROGRAMS.pop(full_key, None)
+        meta = {}
+        a, kw = rebuild(arrays)
+        return fn(a, kw, inputs, meta), meta
+    return out, metas[tracing[0]]
 
 
 def _check_optimizer(optim):

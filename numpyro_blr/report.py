@@ -434,25 +434,47 @@ def check_guide_params(guide, params, where, args=(), kwargs=None, unconstrained
     ``svi_result.params``."""
     from numpyro import handlers
     from numpyro.distributions import constraints
+    from numpyro.distributions.distribution import validation_enabled
     from numpyro.distributions.transforms import biject_to
 
     if guide is None or not callable(guide) or not hasattr(params, "keys"):
         return
-    try:
-        with handlers.block():
+    declared = {}  # name: the shape the guide declares (None: not an array)
+
+    def shapes():
+        # run abstractly (jax.eval_shape), without NumPyro's checks of the guide's own initial constants: run
+        # eagerly, with them, a guide is tens of one-operation programs, each compiled on first use
+        with handlers.block(), validation_enabled(False):
             tr = handlers.trace(handlers.seed(guide, 0)).get_trace(*args, **(kwargs or {}))
+        for n, site in tr.items():
+            if site["type"] != "param":
+                continue
+            value = site["value"]
+            if hasattr(value, "shape") and unconstrained:
+                value = biject_to(site["kwargs"].get("constraint", constraints.real)).inv(value)
+            declared[n] = tuple(jnp.shape(value)) if hasattr(value, "shape") else None
+
+    from numpyro_blr.compile_once import DATA_IN_PYTHON, _assign_vars, _vars_copy
+
+    saved = _vars_copy(guide) if hasattr(guide, "prototype_trace") else None  # nothing traced is left in it
+    try:
+        try:
+            jax.eval_shape(shapes)
+        except DATA_IN_PYTHON:  # the guide (or the model it sets up from) reads a value in Python: run it eagerly
+            if saved is not None:
+                _assign_vars(guide, saved)
+            declared.clear()
+            shapes()
     except Exception:  # noqa: BLE001 - a guide that cannot run without its arguments (or not set up): not checked
         return
-    declared = {n: site for n, site in tr.items() if site["type"] == "param"}
+    finally:
+        if saved is not None:
+            _assign_vars(guide, saved)
     missing = sorted(n for n in declared if n not in params)
     wrong = []
-    for n, site in declared.items():
-        if n not in params or not hasattr(params[n], "shape") or not hasattr(site["value"], "shape"):
+    for n, want in declared.items():
+        if n not in params or not hasattr(params[n], "shape") or want is None:
             continue
-        want = tuple(jnp.shape(site["value"]))
-        if unconstrained:
-            transform = biject_to(site["kwargs"].get("constraint", constraints.real))
-            want = tuple(jax.eval_shape(transform.inv, site["value"]).shape)
         if tuple(jnp.shape(params[n])) != want:
             wrong.append(f"{n!r} has shape {tuple(jnp.shape(params[n]))} where the guide's has {want}")
     if not missing and not wrong:

@@ -34,11 +34,13 @@ from numpyro.infer.util import log_likelihood as _numpyro_log_likelihood
 from numpyro_blr.diagnostics.draws import (  # noqa: F401 - re-exported
     DiagnosticsError,
     check_arguments,
+    guide_program,
     has_density,
     log_densities,
     model_sites,
     posterior_draws,
 )
+from numpyro_blr.compile_once import DATA_IN_PYTHON
 
 __all__ = ["DiagnosticsError", "check_arguments", "posterior_draws", "to_datatree", "model_sites"]
 
@@ -137,7 +139,9 @@ def to_datatree(
     :param model: the model; ``*args, **kwargs`` are its arguments (with the observed data).
     :param num_samples: number of draws :math:`S`; the tree has dims ``chain`` = 1, ``draw`` = S.
     :param rng_key: key for the draws; the posterior equals
-        ``guide.sample_posterior(rng_key, params, *args, sample_shape=(S,))`` exactly.
+        ``guide.sample_posterior(rng_key, params, *args, sample_shape=(S,))`` to rounding (the draws, the model
+        at each draw and the densities are one compiled program, kept for the next call on data of the same
+        shapes: :func:`~numpyro_blr.diagnostics.draws.guide_program`).
     :param dims: ``{site: [dim names]}``, merged over the dims inferred from the model's plates.
     :param coords: ``{dim: values}``.
     :param losses: the loss per step (``svi_result.losses``), stored in the ``fit_history`` group
@@ -164,28 +168,54 @@ def to_datatree(
     rng_key = jax.random.PRNGKey(0) if rng_key is None else rng_key
     if not isinstance(num_samples, (int, np.integer)) or num_samples < 2:
         raise DiagnosticsError(f"num_samples must be an int >= 2, got {num_samples!r}.")
-    draws = posterior_draws(guide, params, *args, num_samples=num_samples, rng_key=rng_key, **kwargs)
-    first = {k: v[0] for k, v in draws.items()}
-    model_params = {k: v for k, v in params.items()}
-    pmodel = handlers.substitute(model, data=model_params)
-    try:
-        tr, latent, observed_sites, deterministic = model_sites(pmodel, first, *args, **kwargs)
-    except Exception as err:  # noqa: BLE001
-        raise DiagnosticsError(f"tracing the model with the guide's first draw failed: {err}") from err
-    missing = [n for n in latent if n not in draws]
-    if missing:
-        raise DiagnosticsError(
-            f"the guide gave no draws for the latent site(s) {missing} of the model (it drew {sorted(draws)}); "
-            "every latent sample site must be in the guide."
-        )
-    latent_draws = {k: draws[k] for k in latent}
+    pmodel = handlers.substitute(model, data=dict(params))
+    want_ll = bool(log_likelihood)
 
-    pp_key, ll_key = jax.random.split(jax.random.fold_in(rng_key, 1))
-    pp, det = _posterior_predictive(pmodel, latent_draws, observed_sites, args, kwargs, pp_key)
-    posterior = {**latent_draws, **{k: v for k, v in det.items() if k not in latent_draws}}
-    posterior = {k: v for k, v in posterior.items() if k in latent or k in deterministic}
+    def compute(args, kwargs, inputs, meta):
+        params, rng_key = inputs
+        draws = posterior_draws(guide, params, *args, num_samples=num_samples, rng_key=rng_key, **kwargs)
+        first = {k: v[0] for k, v in draws.items()}
+        pmodel = handlers.substitute(model, data=dict(params))
+        try:
+            tr, latent, observed_sites, deterministic = model_sites(pmodel, first, *args, **kwargs)
+        except DATA_IN_PYTHON:
+            raise
+        except Exception as err:  # noqa: BLE001
+            raise DiagnosticsError(f"tracing the model with the guide's first draw failed: {err}") from err
+        missing = [n for n in latent if n not in draws]
+        if missing:
+            raise DiagnosticsError(
+                f"the guide gave no draws for the latent site(s) {missing} of the model (it drew {sorted(draws)}); "
+                "every latent sample site must be in the guide."
+            )
+        latent_draws = {k: draws[k] for k in latent}
+        pp_key, _ = jax.random.split(jax.random.fold_in(rng_key, 1))
+        pp, det = _posterior_predictive(pmodel, latent_draws, observed_sites, args, kwargs, pp_key)
+        posterior = {**latent_draws, **{k: v for k, v in det.items() if k not in latent_draws}}
+        out = {"posterior": {k: v for k, v in posterior.items() if k in latent or k in deterministic}, "pp": pp,
+               "obs": {n: tr[n]["value"] for n in observed_sites}}
+        if want_ll:
+            if not observed_sites:
+                raise DiagnosticsError(
+                    f"the model has no observed sample site for the log likelihood (its sample sites are {latent}); "
+                    "pass the data (obs=...) in the model's arguments, or log_likelihood=False (the call is "
+                    "to_datatree(guide, params, model, *args): are model and guide swapped?)."
+                )
+            out["ll"] = _numpyro_log_likelihood(pmodel, latent_draws, *args, batch_ndims=1, **kwargs)
+        # None: when the guide has a density and every latent is continuous (a discrete latent, e.g. a mixture's
+        # assignments from message passing, has no unconstrained space for the ratio)
+        continuous = all(jnp.issubdtype(jnp.result_type(v), jnp.floating) for v in latent_draws.values())
+        use_importance = (has_density(guide) and continuous) if importance is None else bool(importance)
+        if use_importance:
+            out["log_p"], out["log_q"] = log_densities(guide, params, model, latent_draws, *args, **kwargs)
+        meta["observed"] = observed_sites
+        return out
 
-    obs_data = {n: tr[n]["value"] for n in observed_sites}
+    # the draws, the model at each draw and the densities as one compiled program
+    out, meta = guide_program(compute, ("to_datatree", num_samples, want_ll, importance), guide, model, params, args,
+                              kwargs, rng_key)
+    observed_sites = meta["observed"]
+    obs_data = out["obs"]
     if observed is not None:
         bad = [n for n in observed if n not in observed_sites]
         if bad:
@@ -197,17 +227,11 @@ def to_datatree(
 
     S = num_samples
     add_chain = lambda d: {k: np.asarray(v)[None] for k, v in d.items()}  # noqa: E731
-    groups = {"posterior": (add_chain(_as_numpy(posterior)), 2)}
+    groups = {"posterior": (add_chain(_as_numpy(out["posterior"])), 2)}
     if posterior_predictive and observed_sites:
-        groups["posterior_predictive"] = (add_chain(_as_numpy(pp)), 2)
-    if log_likelihood:
-        if not observed_sites:
-            raise DiagnosticsError(
-                f"the model has no observed sample site for the log likelihood (its sample sites are {latent}); "
-                "pass the data (obs=...) in the model's arguments, or log_likelihood=False (the call is "
-                "to_datatree(guide, params, model, *args): are model and guide swapped?)."
-            )
-        ll = _numpyro_log_likelihood(pmodel, latent_draws, *args, batch_ndims=1, **kwargs)
+        groups["posterior_predictive"] = (add_chain(_as_numpy(out["pp"])), 2)
+    if want_ll:
+        ll = out["ll"]
         for name, v in ll.items():
             if not np.all(np.isfinite(np.asarray(v))):
                 raise DiagnosticsError(f"the log likelihood of the observed site {name!r} is not finite at some draws.")
@@ -232,13 +256,8 @@ def to_datatree(
             attrs={"creation_library": "numpyro_blr", "guide": type(guide).__name__},
         )
 
-    # None: when the guide has a density and every latent is continuous (a discrete latent, e.g. a mixture's
-    # assignments from message passing, has no unconstrained space for the ratio)
-    continuous = all(jnp.issubdtype(jnp.result_type(v), jnp.floating) for v in latent_draws.values())
-    use_importance = (has_density(guide) and continuous) if importance is None else bool(importance)
-    if use_importance:
-        log_p, log_q = log_densities(guide, params, model, latent_draws, *args, **kwargs)
-        log_p, log_q = np.asarray(log_p), np.asarray(log_q)
+    if "log_p" in out:
+        log_p, log_q = np.asarray(out["log_p"]), np.asarray(out["log_q"])
         tree["sample_stats"] = xr.Dataset(
             {
                 "log_p": (("chain", "draw"), log_p[None]),

@@ -102,6 +102,35 @@ def model_sites(model, draw, *args, rng_key=None, **kwargs):
     return tr, latent, observed, deterministic
 
 
+def prepare_guide(guide, params, args, kwargs, rng_key):
+    """An autoguide that was never run (no prototype trace) is run once, eagerly, so that it knows the model's
+    sites; other guides are left as they are."""
+    if hasattr(guide, "sample_posterior") and getattr(guide, "prototype_trace", None) is None:
+        handlers.substitute(handlers.seed(guide, rng_key), data=params)(*args, **kwargs)
+
+
+def guide_program(compute, static, guide, model, params, args, kwargs, rng_key):
+    r"""``compute(args, kwargs, (params, rng_key), meta)`` (draws from the guide, the model at each draw, densities)
+    as one compiled program (:func:`numpyro_blr.compile_once.one_program`), kept for the next call with the same
+    ``model``, ``guide``, ``static`` values (what else ``compute`` depends on) and argument shapes; the program holds
+    both objects, so their ids stay theirs while it is kept. Returns ``(outputs, meta)``.
+
+    Run eagerly these are hundreds of one-operation programs, each compiled on first use (a first ``to_datatree``
+    of a three-coefficient regression: 137 programs, 4.3 s; as one program 0.8 s). NumPyro's distribution checks
+    are off inside: in a traced program they see only the literal constants of the guide and the model (the
+    values are traced), each check a program compiled on first use, and the fit ran them already. An autoguide
+    that was never run is set up first, eagerly (:func:`prepare_guide`)."""
+    from numpyro.distributions.distribution import validation_enabled
+
+    from numpyro_blr.compile_once import one_program
+
+    prepare_guide(guide, params, args, kwargs, rng_key)
+    key = (id(model), id(guide)) + tuple(static)
+    with validation_enabled(False):
+        return one_program(compute, key, args, kwargs, (dict(params), rng_key),
+                           owners=(guide,) if hasattr(guide, "prototype_trace") else ())
+
+
 def posterior_draws(guide, params, *args, num_samples=1000, rng_key=None, **kwargs):
     r"""``num_samples`` draws :math:`\theta^{(s)} \sim q` from ``guide`` with ``params``.
 
@@ -112,9 +141,7 @@ def posterior_draws(guide, params, *args, num_samples=1000, rng_key=None, **kwar
     check_arguments("posterior_draws", guide, params)
     rng_key = jax.random.PRNGKey(0) if rng_key is None else rng_key
     if hasattr(guide, "sample_posterior"):
-        if getattr(guide, "prototype_trace", None) is None:
-            # an unfitted autoguide: run it once so that it knows the model's sites
-            handlers.substitute(handlers.seed(guide, rng_key), data=params)(*args, **kwargs)
+        prepare_guide(guide, params, args, kwargs, rng_key)
         return dict(guide.sample_posterior(rng_key, params, *args, sample_shape=(num_samples,), **kwargs))
     from numpyro.infer import Predictive
 

@@ -31,11 +31,19 @@ importance ratios :math:`r_s\,/\,p(y_i \mid \theta^{(s)})` for each left-out poi
 
 from typing import NamedTuple
 
+import jax
 import numpy as np
 import xarray as xr
 from arviz_stats.base import array_stats
 
-from numpyro_blr.diagnostics.draws import DiagnosticsError, check_arguments, has_density, log_densities, posterior_draws  # noqa: F401
+from numpyro_blr.diagnostics.draws import (  # noqa: F401
+    DiagnosticsError,
+    check_arguments,
+    guide_program,
+    has_density,
+    log_densities,
+    posterior_draws,
+)
 
 __all__ = [
     "PSISResult",
@@ -181,9 +189,15 @@ def check_guide(guide, params, model, *args, num_samples=4000, rng_key=None, **k
     """
 
     check_arguments("check_guide", guide, params, model, args, kwargs)
-    draws = posterior_draws(guide, params, *args, num_samples=num_samples, rng_key=rng_key, **kwargs)
-    log_p, log_q = log_densities(guide, params, model, draws, *args, **kwargs)
-    return psis(log_p, log_q)
+    rng_key = jax.random.PRNGKey(0) if rng_key is None else rng_key
+
+    def compute(args, kwargs, inputs, meta):
+        params, rng_key = inputs
+        draws = posterior_draws(guide, params, *args, num_samples=num_samples, rng_key=rng_key, **kwargs)
+        return log_densities(guide, params, model, draws, *args, **kwargs)
+
+    (log_p, log_q), _ = guide_program(compute, ("check_guide", num_samples), guide, model, params, args, kwargs, rng_key)
+    return psis(np.asarray(log_p), np.asarray(log_q))
 
 
 def psis_expectation(tree, var_names=None, result=None):
