@@ -31,6 +31,7 @@ def test_log_gamma_gap_matches_its_closed_form():
     assert abs(float(gap) - exact) < 4 * float(se), (float(gap), float(se), exact)
 
 
+@pytest.mark.slow
 def test_gap_from_the_delta_steps_two_losses():
     """The identity a delta-method BLR step can use (estimators.gaussian.laplace_gap_from_losses): the
     ELBO loss at the guide and at its mean (scale eps^2, estimators.at_mean), at one key, give a draw

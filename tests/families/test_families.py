@@ -86,7 +86,7 @@ def identities(fam, user, x, ref):
     )
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in ("beta", "gamma") else n for n in NAMES])
 def test_identities(name):
     """mu = grad A(lam) by autodiff; round trips natural <-> user and natural <-> expectation;
     entropy and log density equal NumPyro's; and H(q) = A(lam) - lam . mu (the Legendre identity,
@@ -255,6 +255,7 @@ def test_statistics_and_numpyro_distribution(name):
     tree_close(back if isinstance(back, tuple) else (back,), user, rtol=1e-12)
 
 
+@pytest.mark.slow
 def test_full_gaussian_statistics_and_blr_update():
     """The dense Gaussian (conjugate_fit's family): log q = lam . T - A; the plain step is exactly
     -grad_mu at lr = 1; the improved step keeps the plain fixed point, keeps the precision positive

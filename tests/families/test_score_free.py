@@ -110,6 +110,7 @@ def _targets(model, y, site, fam, user, keys, plain=False):
 
 # -- the estimator --------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("name", sorted(CONJUGATE))
+@pytest.mark.slow
 def test_every_draw_gives_the_exact_posterior_at_the_fixed_point(name, x64):
     """At the exact posterior every draw's target is the exact natural parameter (float64 rounding); with the
     score term (today's estimator before the change) a Gamma-Poisson draw's target concentration had a standard
@@ -121,6 +122,7 @@ def test_every_draw_gives_the_exact_posterior_at_the_fixed_point(name, x64):
         np.testing.assert_allclose(np.asarray(got), np.broadcast_to(want, got.shape), rtol=1e-9, atol=1e-9)
 
 
+@pytest.mark.slow
 def test_the_score_term_was_the_noise(x64):
     """The same draws with the plain Gamma (the score term of log q kept): the targets scatter by about 1.4
     times the concentration, and their mean is the exact one within its Monte Carlo error. This documents what
@@ -159,6 +161,7 @@ def _quadrature_grad_mu(info, user, ell, lo, hi, num=20001):
 
 
 @pytest.mark.parametrize("case", ["gamma", "beta"])
+@pytest.mark.slow
 def test_unbiased_on_a_non_conjugate_model(case, x64):
     """A site whose likelihood is not conjugate (log z, logit z observed with Gaussian noise): the mean of the
     path-derivative estimates of grad_mu E_q[l] over 4,000 draws is the quadrature value within 5 standard errors."""
@@ -190,6 +193,7 @@ def _dirichlet_logistic(y=None):
     numpyro.sample("y", dist.Normal(jnp.log(theta[0] / theta[2]), 0.4), obs=y)
 
 
+@pytest.mark.slow
 def test_dirichlet_unbiased_against_the_old_estimator(x64):
     """Dirichlet, not conjugate (a log ratio observed with noise): the path-derivative mean agrees with the mean
     of the old (score-term) estimator, both over 4,000 draws, within 5 standard errors of their difference."""

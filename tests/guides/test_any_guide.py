@@ -106,6 +106,7 @@ def test_hand_written_guide_without_guide_argument_names_the_fix():
         nb.BLR().init({"w_loc": jnp.zeros(D), "w_scale": jnp.ones(D)})
 
 
+@pytest.mark.slow
 def test_svi_hands_its_guide_to_the_optimizer():
     """SVI(model, guide, nb.BLR(), ...) reads a hand-written guide (traced with svi.init's arguments) and an
     autoguide's own prefix, with no nb.BLR(guide=...); the user's optimizer object is left as it was."""
@@ -161,6 +162,7 @@ def test_guide_that_needs_arguments_asks_for_them():
         svi.init(jax.random.PRNGKey(0), X, Y)
 
 
+@pytest.mark.slow
 def test_autoguide_names_with_another_scale_constraint_are_not_silently_misread():
     """Names like AutoNormal's but an unconstrained scale: this once ran and stayed at the prior, then raised
     (read by the names) unless given guide=...; now SVI hands its guide over and it is read by tracing."""
@@ -343,6 +345,7 @@ def test_read_module_placeholder_needs_fallback():
 # ---------------------------------------------------------------- item 5: a state from another optimizer
 
 
+@pytest.mark.slow
 def test_state_from_another_optimizer_says_how_to_start_from_its_params():
     adam = SVI(model, normal_guide, optax.adam(0.05), Trace_ELBO())
     adam_result = adam.run(jax.random.PRNGKey(0), 50, X, Y, progress_bar=False)
@@ -359,6 +362,7 @@ def test_state_from_another_optimizer_says_how_to_start_from_its_params():
     np.testing.assert_allclose(result.params["w_loc"], mean, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.slow
 def test_ivon_accepts_a_numpyro_optimizer_as_fallback():
     def with_param(X, y=None):
         noise = numpyro.param("noise", 0.5, constraint=constraints.positive)
@@ -373,6 +377,7 @@ def test_ivon_accepts_a_numpyro_optimizer_as_fallback():
 
 
 @pytest.mark.parametrize("guide", [normal_guide, mvn_guide])
+@pytest.mark.slow
 def test_delta_method_moves_means_initialised_at_zero(guide):
     """nb.newton() from a guide initialised with jnp.zeros: a draw at the mean (scale eps**2) was not the mean
     there, the guide's log q cancelled the model's gradient, and the means stayed at 0 with no warning."""

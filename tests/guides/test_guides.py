@@ -364,6 +364,7 @@ def test_invalid_discrete_estimator_settings():
 
 
 @pytest.mark.filterwarnings("ignore::FutureWarning")  # numpyro's note about auto-enumeration
+@pytest.mark.slow
 def test_autonormal_rejects_discrete_sites_and_blr_points_to_expfamilyguide():
     def model():
         numpyro.sample("z", dist.Bernoulli(0.3))
@@ -409,6 +410,7 @@ def test_enumerated_site_is_left_to_trace_enum_elbo():
         ExpFamilyGuide(_mixture_model, families={"z": "categorical"})(_MIX_Y)
 
 
+@pytest.mark.slow
 def test_enumerated_site_under_trace_elbo_asks_for_trace_enum_elbo():
     """Trace_ELBO would draw the unguided site from the model (a biased gradient, NumPyro only warns)."""
     guide = ExpFamilyGuide(_mixture_model)

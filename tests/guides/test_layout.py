@@ -16,10 +16,13 @@ from numpyro_blr.layout import FULL, GatherScaledUnitLowerCholesky, GaussianBloc
 def test_gather_transform_equals_numpyro(d, batch):
     numpyro_t, ours = biject_to(constraints.scaled_unit_lower_cholesky), GatherScaledUnitLowerCholesky()
     x = jax.random.normal(jax.random.PRNGKey(d), batch + (d * (d + 1) // 2,))
+
+    def values(t):  # one compiled program per transform (eagerly: about 40 one-operation programs each)
+        return jax.jit(lambda x: (t(x), t.inv(numpyro_t(x)), t.log_abs_det_jacobian(x, t(x))))(x)
+
     # the same operations on the same values: equal bit for bit
-    np.testing.assert_array_equal(ours(x), numpyro_t(x))
-    np.testing.assert_array_equal(ours.inv(numpyro_t(x)), numpyro_t.inv(numpyro_t(x)))
-    np.testing.assert_array_equal(ours.log_abs_det_jacobian(x, ours(x)), numpyro_t.log_abs_det_jacobian(x, numpyro_t(x)))
+    for a, b in zip(values(ours), values(numpyro_t)):
+        np.testing.assert_array_equal(a, b)
 
 
 @pytest.mark.parametrize("d", [1, 3, 8])
@@ -28,11 +31,16 @@ def test_cotangent_to_tril_is_the_vjp_of_the_inverse(d):
     with jax.enable_x64(True):
         x = jax.random.normal(jax.random.PRNGKey(d), (d * (d + 1) // 2,), dtype=jnp.float64)
         c = jax.random.normal(jax.random.PRNGKey(d + 1), x.shape, dtype=jnp.float64)
-        y = biject_to(constraints.scaled_unit_lower_cholesky)(x)
-        _, vjp = jax.vjp(biject_to(constraints.scaled_unit_lower_cholesky).inv, y)
-        expected = jnp.tril(vjp(c)[0])
-        np.testing.assert_allclose(ours.cotangent_to_tril(y, c), expected, rtol=1e-12, atol=1e-12)
-        np.testing.assert_allclose(ours.cotangent_to_tril(y, c, transpose=True), expected.T, rtol=1e-12, atol=1e-12)
+
+        @jax.jit  # one program (eagerly: about 60 one-operation programs)
+        def values(x, c):
+            y = biject_to(constraints.scaled_unit_lower_cholesky)(x)
+            _, vjp = jax.vjp(biject_to(constraints.scaled_unit_lower_cholesky).inv, y)
+            return jnp.tril(vjp(c)[0]), ours.cotangent_to_tril(y, c), ours.cotangent_to_tril(y, c, transpose=True)
+
+        expected, got, got_t = values(x, c)
+        np.testing.assert_allclose(got, expected, rtol=1e-12, atol=1e-12)
+        np.testing.assert_allclose(got_t, expected.T, rtol=1e-12, atol=1e-12)
 
 
 def test_full_block_uses_the_gather_transform_only_for_numpyros_default():

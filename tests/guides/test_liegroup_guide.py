@@ -174,6 +174,7 @@ def _scales_model(X, y=None):
     numpyro.sample("obs", dist.Bernoulli(logits=X @ beta), obs=y)
 
 
+@pytest.mark.slow
 def test_joint_step_reads_the_curvature_at_fresh_draws():
     """The default joint mean step averages the shift gradient and Hessian over its step's draw and
     ``curvature_draws`` (8) more (issue 25: one draw's curvature of a log-scale is heavy-tailed, and on

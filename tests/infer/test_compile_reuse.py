@@ -137,6 +137,7 @@ def closed_form(y, prior_scale=10.0):
 # ---------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_vmp_second_object_is_exact_without_compiling():
     """One sweep of ``normal_mean`` is its closed-form posterior: the second object, on other data of the same
     shape, gets its own data's posterior and compiles nothing (construction, init, sweep, run's posterior); new
@@ -237,6 +238,7 @@ def test_a_different_non_array_argument_does_not_reuse_a_program():
         np.testing.assert_allclose(float(res.posterior["mu"].loc), closed_form(np.asarray(y), scale)[0], rtol=1e-12)
 
 
+@pytest.mark.slow
 def test_a_rebound_global_does_not_reuse_a_program():
     """A global array the model reads (folded into the program), rebound between two objects on the same model:
     the second object gets programs with the new value, and its own exact posterior."""

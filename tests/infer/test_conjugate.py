@@ -46,6 +46,7 @@ def log_beta_fn(alpha):
 # ---------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_beta_bernoulli():
     a, b = 2.0, 3.0
     y = np.array([1, 0, 1, 1, 1, 0, 1, 1, 0, 1], float)
@@ -64,6 +65,7 @@ def test_beta_bernoulli():
     assert res.factors == {"p": ("p",), "y": ("p",)}
 
 
+@pytest.mark.slow
 def test_beta_binomial():
     a, b = 0.7, 1.8
     trials = np.array([5, 8, 3, 10])
@@ -116,6 +118,7 @@ def test_gamma_exponential():
     assert rel(res.elbo, log_evidence) < RTOL
 
 
+@pytest.mark.slow
 def test_normal_normal_known_variance():
     m0, s0, sigma = 1.0, 2.0, 0.7
     y = np.array([0.3, 1.9, 1.1, 0.4, 2.5, 1.7])
@@ -157,6 +160,7 @@ def test_bayesian_linear_regression(diabetes_np):
     assert rel(res.elbo, log_evidence) < RTOL
 
 
+@pytest.mark.slow
 def test_dirichlet_categorical():
     alpha = np.array([0.5, 1.0, 2.0, 1.5])
     y = np.array([0, 2, 2, 1, 3, 2, 0, 2])
@@ -173,6 +177,7 @@ def test_dirichlet_categorical():
     assert rel(res.elbo, log_evidence) < RTOL
 
 
+@pytest.mark.slow
 def test_dirichlet_multinomial():
     alpha = np.array([1.0, 2.0, 0.5])
     y = np.array([[3, 1, 0], [2, 2, 1], [0, 4, 1]])
@@ -229,6 +234,7 @@ def cavi_normal_gamma(y, m0, k0, a0, b0, iters=500):
     return m, p, a, b
 
 
+@pytest.mark.slow
 def test_normal_gamma_vmp_matches_cavi():
     m0, k0, a0, b0 = 0.5, 0.1, 2.0, 1.0
     y = np.random.default_rng(3).normal(1.0, 2.0, size=40)

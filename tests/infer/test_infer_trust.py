@@ -212,6 +212,7 @@ def normal_gamma(y):
         numpyro.sample("y", dist.Normal(mu, 1.0 / jnp.sqrt(tau)), obs=y)
 
 
+@pytest.mark.slow
 def test_vmp_report_names_the_sites_still_moving_and_is_quiet_when_converged():
     y = jnp.asarray(np.random.default_rng(2).normal(3.0, 2.0, 50))
     algo = vmp(normal_gamma, y)

@@ -246,6 +246,7 @@ def test_ncvmp_mixes_exact_and_natural_gradient_steps():
     assert res.converged and abs(float(res.posterior["loc"].loc) - np.median(y)) < 0.3
 
 
+@pytest.mark.slow
 def test_ncvmp_gamma_site_takes_its_family_blr_step_to_the_closed_form_optimum():
     """A Gamma site read as a Normal *scale* (log p = -log s - y^2 / (2 s^2): not affine in (log s, s)) takes the Gamma
     family's improved BLR step on an implicit-reparameterisation path-derivative estimate (256 fixed draws). The ELBO is

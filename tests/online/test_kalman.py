@@ -102,11 +102,13 @@ def _check_lg_against_dynamax(res, y, atol, ll_atol):
     np.testing.assert_allclose(res.marginal_loglik, f.marginal_loglik, atol=ll_atol, rtol=0)
 
 
+@pytest.mark.slow
 def test_linear_gaussian_equals_dynamax(lg_result, lg_data):
     """Filtered/smoothed Gaussians and log evidence equal dynamax's Kalman filter and RTS smoother."""
     _check_lg_against_dynamax(lg_result, lg_data, atol=1e-8, ll_atol=2e-8)
 
 
+@pytest.mark.slow
 def test_linear_gaussian_equals_dynamax_without_jitter(lg_result, lg_data, no_boost):
     _check_lg_against_dynamax(lg_result, lg_data, atol=1e-10, ll_atol=1e-9)
 
@@ -164,8 +166,10 @@ def test_linear_gaussian_closed_form(lg_result, lg_data):
     np.testing.assert_allclose(lg_result.transition_matrices, np.broadcast_to(A, (T, 2, 2)), atol=1e-12)
 
 
-@pytest.mark.parametrize("kw", [dict(hessian="gauss_newton"), dict(expectation="cubature", num_iter=2),
-                                dict(num_iter=3, step_size=0.5)], ids=["gauss_newton", "cubature", "damped"])
+@pytest.mark.parametrize("kw", [dict(hessian="gauss_newton"),
+                                pytest.param(dict(expectation="cubature", num_iter=2), marks=pytest.mark.slow),
+                                pytest.param(dict(num_iter=3, step_size=0.5), marks=pytest.mark.slow)],
+                         ids=["gauss_newton", "cubature", "damped"])
 def test_variants_on_linear_gaussian(lg_result, lg_data, kw):
     """For a linear-Gaussian observation the Fisher is the Hessian and the cubature expectations are exact:
     these variants of the BLR step give the Kalman update too. A damped step (rho = 0.5) does not: after 3

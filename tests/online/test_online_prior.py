@@ -220,6 +220,7 @@ def other_model(X, y=None):
     numpyro.sample("y", dist.Normal(X @ beta, SIGMA), obs=y)
 
 
+@pytest.mark.slow
 def test_errors_name_the_site():
     X, y = linreg_data(n=20)
     guide = AutoNormal(linreg)
@@ -257,6 +258,7 @@ def test_errors_name_the_site():
         stream.update(jnp.asarray(X), jnp.asarray(y_bad))
 
 
+@pytest.mark.slow
 def test_stream_from_a_guide_instance_keeps_its_options():
     X, y = linreg_data(n=40)
     guide = AutoNormal(linreg, init_scale=0.05)

@@ -175,6 +175,7 @@ def test_sharded_diagonal_state(worker):
 # ----------------------------------------------------------------------------- one sample per device
 
 
+@pytest.mark.slow
 def test_per_device_samples_reduce_curvature_variance(worker):
     """Four devices, one weight draw each: the curvature estimate's variance falls by about 4. Exactly 4
     only for alike shards; the prediction for these shards is (1/k^2) sum_d Var(h_d), each device's
@@ -190,6 +191,7 @@ def test_per_device_samples_reduce_curvature_variance(worker):
 # ----------------------------------------------------------------------------- bad input
 
 
+@pytest.mark.slow  # the worker: a four-device subprocess (3-9 s)
 def test_bad_input_messages(worker):
     r = worker["bad_input"]
     assert "569 examples over 4 devices" in r["indivisible"] and "568" in r["indivisible"]

@@ -56,6 +56,7 @@ def test_update_matches_published_equations_with_injected_noise():
     assert int(state.count) == 3
 
 
+@pytest.mark.slow
 def test_step_is_sample_then_update():
     opt = bayesbinn(lr=0.05, ess=10.0, temperature=1.0, mc_samples=1)
     state = opt.init(jax.random.PRNGKey(0), {k: jnp.zeros(s) for k, s in SHAPES.items()})
@@ -95,6 +96,7 @@ def test_binary_predictions():
                                np.tanh(np.linspace(-2, 2, 2000)).reshape(20, 100).mean(1), atol=0.03)
 
 
+@pytest.mark.slow
 def test_trains_binary_classifier_on_separable_toy_problem():
     rng = np.random.default_rng(0)
     d, n = 16, 400

@@ -34,6 +34,7 @@ def fused(monkeypatch):
 
 
 @pytest.mark.parametrize("n", [1, 2, 7, 10, 1001])
+@pytest.mark.slow
 def test_hash_draws_by_slice_equal_the_whole_draw(n):
     key = jax.random.key(n)
     z, u = np.asarray(hash_normal(key, n)), np.asarray(hash_uniform(key, n))
@@ -66,7 +67,7 @@ def _run(algo, steps=4):
     return state
 
 
-@pytest.mark.parametrize("row", sorted(ROWS))
+@pytest.mark.parametrize("row", [r if r in ("ivon", "lie_additive") else pytest.param(r, marks=pytest.mark.slow) for r in sorted(ROWS)])
 def test_accelerator_layout_takes_the_same_steps(row, monkeypatch):
     cpu = _run(ROWS[row]())
     monkeypatch.setattr(tree, "fused_passes", lambda: True)
@@ -75,6 +76,7 @@ def test_accelerator_layout_takes_the_same_steps(row, monkeypatch):
         np.testing.assert_allclose(np.asarray(a, np.float64), np.asarray(b, np.float64), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_accelerator_layout_optax_view_equals_the_update_on_its_draw(fused):
     algo = ivon(lr=0.05, ess=200.0, hess_init=0.5)
     tx = nb.as_optax(algo, seed=0)

@@ -95,6 +95,7 @@ def test_one_step_numbers_by_hand():
     np.testing.assert_allclose(state.params["x"], 1 - 0.12 * 2.1 / (0.25 + 1.8 + 1.20125 / 0.6 + 0.1), rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_sample_scale_and_rescale_lr_off():
     opt = ivon(lr=0.1, ess=100.0, hess_init=3.0, weight_decay=1.0)
     state = opt.init({"a": jnp.zeros(20000)})
@@ -197,6 +198,7 @@ def test_positivity_through_update_float32(h, h_hat):
     assert np.all(np.asarray(_hess(st1, 1e-3)["a"]) + 1e-3 >= 0.5 * P * (1 - 1e-5))
 
 
+@pytest.mark.slow
 def test_quadratic_hessian_and_variance_converge():
     # loss per example: 0.5 * sum a_i (theta_i - c_i)^2; ess = N; prior precision N*delta.
     # Exact posterior: precision N (a + delta), mean a c / (a + delta).
@@ -369,6 +371,7 @@ def test_hash_uniform_is_uniform_and_independent():
     assert stats.chisquare(counts).pvalue > 1e-4
 
 
+@pytest.mark.slow
 def test_hash_normal_small_draws_across_keys_and_dtypes():
     from scipy import stats
 
@@ -388,6 +391,7 @@ def test_hash_normal_small_draws_across_keys_and_dtypes():
         assert zz.dtype == dt and zz.shape == (1001,) and bool(jnp.all(jnp.isfinite(zz)))
 
 
+@pytest.mark.slow
 def test_noise_rng_options():
     params = {"w": jnp.zeros((30, 20)), "b": jnp.zeros(7)}
     key = jax.random.key(5)

@@ -130,6 +130,7 @@ _TINY, _MAX = float(np.finfo(np.float32).tiny), float(np.finfo(np.float32).max)
     scale_lr=st.floats(1e-6, 1e6, allow_nan=False, allow_infinity=False),
     momentum=st.sampled_from([0.0, 0.9]),
 )
+@pytest.mark.slow
 def test_scales_stay_strictly_positive_float32(scale, grad, grad_loc, lr, scale_lr, momentum):
     """Multiplicative and affine scales stay strictly positive and finite for any finite gradient and step size,
     in float32 (the exponential map, then a clamp to [tiny, max]; a non-finite step keeps the old scale)."""
@@ -174,9 +175,9 @@ def _make(group, base):
 
 
 def _noise_cases():
-    # Student-t and Gamma draw through JAX's gamma sampler, whose compilation alone takes seconds: slow
-    return [pytest.param(g, b, marks=pytest.mark.slow) if isinstance(b, (dist.StudentT, dist.Gamma)) else (g, b)
-            for g in lie.GROUPS for b in _bases(g)]
+    # the quick subset takes each group's first base (0.8-1.5 s each, two programs); make test every base
+    return [(g, b) if i == 0 else pytest.param(g, b, marks=pytest.mark.slow)
+            for g in lie.GROUPS for i, b in enumerate(_bases(g))]
 
 
 @pytest.mark.parametrize("group, base", _noise_cases(), ids=lambda v: v if isinstance(v, str) else type(v).__name__)
@@ -497,8 +498,10 @@ def test_non_positive_initial_scale():
          lambda s: (s.loc,)),
         # the scale's algebra gradient averages E[A eps G] over random eps with a momentum of 0.999, so its steps are
         # sums of terms of both signs, whose rounding errors do not cancel: its agreement has no bound of this form
-        (lambda: nb.lie_affine(0.05, ess=200.0, scale_lr=0.05, weight_decay=1e-3), lambda s: (s.loc,)),
-        (lambda: nb.lie_multiplicative(0.5, ess=200.0, temperature=1e-2), lambda s: (s.scale,)),
+        pytest.param(lambda: nb.lie_affine(0.05, ess=200.0, scale_lr=0.05, weight_decay=1e-3), lambda s: (s.loc,),
+                     marks=pytest.mark.slow),
+        pytest.param(lambda: nb.lie_multiplicative(0.5, ess=200.0, temperature=1e-2), lambda s: (s.scale,),
+                     marks=pytest.mark.slow),
     ],
     ids=["additive", "affine", "multiplicative"],
 )

@@ -96,6 +96,7 @@ def test_mixture_kl_is_below_best_single_gaussian(fits):
     assert abs(kl_mix) < 0.02
 
 
+@pytest.mark.slow
 def test_price_estimator_recovers_modes():
     opt, state = _fit(2, [[-1.0, 0.0], [1.0, 0.0]], hessian="price", steps=800, lr=0.2, seed=1)
     order = np.argsort(np.asarray(state.means[:, 0]))
@@ -107,6 +108,7 @@ def test_price_estimator_recovers_modes():
     np.testing.assert_allclose(np.asarray(weights(state))[order], W, atol=0.05)
 
 
+@pytest.mark.slow
 def test_single_component_is_gaussian_blr():
     """K = 1: log q = log N, so G = E[hess l] - S and the step is the (improved) Gaussian BLR."""
     opt = mixture_blr(0.3, 1)
@@ -144,6 +146,7 @@ def _optimise(fn, K, d, box, steps, seed=0):
     return opt, state
 
 
+@pytest.mark.slow
 def test_finds_all_minima_1d():
     grid = np.linspace(-4, 4, 400_001)
     vals = np.sin(3 * grid) + 0.5 * grid**2
@@ -158,6 +161,7 @@ def test_finds_all_minima_1d():
     assert np.all(np.abs(np.asarray(jax.vmap(jax.grad(wiggle))(state.means))) < 1e-3)
 
 
+@pytest.mark.slow
 def test_finds_all_four_himmelblau_minima():
     opt, state = _optimise(himmelblau, 12, 2, 5.0, 200)
     found = modes(state, himmelblau, tol=1e-2)
@@ -268,6 +272,7 @@ def test_default_converges_on_gaussian_target(covariance):
     assert float(state.clock) > 0  # the adaptive clock ran
 
 
+@pytest.mark.slow
 def test_default_with_price_hessian_converges():
     """``hessian='price'``: the default starts at min(1/2, 1/d) and halves over 100 noise-dominated steps
     (``nb.BLR``'s default for sampled Hessians)."""
@@ -336,6 +341,7 @@ def test_skipped_steps_are_damped_and_reported():
     assert any(f"skipped {skipped} of 200 step" in str(w.message) for w in caught)  # and the divergence it stopped
 
 
+@pytest.mark.slow
 def test_backtracking_keeps_steep_fit_finite():
     """The default backtracking shortens the overshooting mean steps: no step is skipped, the fit converges."""
     from numpyro_blr.mixture import check  # noqa: PLC0415

@@ -96,6 +96,7 @@ def test_bsam_has_no_one_gradient_view_and_params_are_required():
         tx.update(PARAMS, tx.init(PARAMS))
 
 
+@pytest.mark.slow
 def test_equinox_training_loop_with_ivon():
     eqx = pytest.importorskip("equinox")
     model = eqx.nn.MLP(3, 2, 8, 1, key=jax.random.key(0))

@@ -52,6 +52,7 @@ _PARAMS, _X, _Y = _setup(1, M=32)
 _STEP = jax.jit(lambda k, s: VOGN_OPT.step(k, s, _per_example_loss, _X, _Y))
 
 
+@pytest.mark.slow
 def test_vogn_step_samples_with_the_right_variance_and_uses_them():
     opt, state, key = VOGN_OPT, VOGN_OPT.init(_PARAMS), jax.random.key(0)
     new, _ = _STEP(key, state)
@@ -71,6 +72,7 @@ def test_vogn_step_samples_with_the_right_variance_and_uses_them():
     np.testing.assert_allclose(np.std(noise["a"]), 1 / np.sqrt(N * (2.0 + LAM)), rtol=0.04)
 
 
+@pytest.mark.slow
 def test_ogn_does_not_sample_and_vogn_trains():
     o = ogn(0.1)
     state = o.init(_PARAMS)

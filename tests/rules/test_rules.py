@@ -14,6 +14,7 @@ The float64 checks run inside ``jax.enable_x64`` contexts (no global flag, nothi
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -238,6 +239,7 @@ _tril_update = jax.jit(full_scale_tril_update, static_argnames="improved")
 
 @SETTINGS
 @given(full_case(hess_log10_max=4))
+@pytest.mark.slow
 def test_scale_tril_update_matches_the_precision_update(case):
     """full_scale_tril_update works in whitened coordinates (M = L^T H L) and never forms S: its
     new L must be a valid Cholesky factor (lower, positive diagonal) whose precision (L L^T)^-1 is
@@ -433,6 +435,7 @@ def test_one_sided_does_not_overshoot_a_far_curvature():
 
 @SETTINGS
 @given(full_case(hess_log10_max=8))
+@pytest.mark.slow
 def test_full_one_sided_positive_definite_and_bounded_below(case):
     """K >= I/2 in whitened coordinates for any Hessian (indefinite, huge, cancelling) and rho <= 1,
     in float64; and it is the plain step when (1 - rho) I + rho M >= I/2, the improved one otherwise."""

@@ -114,7 +114,8 @@ def test_the_state_averages_the_iterates(small_logistic, guide_cls, loc, scale, 
         assert not np.allclose(v, moments(s.params)[n])  # the iterate is noisier than the average
 
 
-@pytest.mark.parametrize("lr", [0.1, nb.harmonic_decay(0.5, 10), nb.adaptive_decay(0.5, 10, averaging=False)])
+@pytest.mark.parametrize("lr", [0.1, pytest.param(nb.harmonic_decay(0.5, 10), marks=pytest.mark.slow),
+                                pytest.param(nb.adaptive_decay(0.5, 10, averaging=False), marks=pytest.mark.slow)])
 def test_explicit_step_sizes_keep_no_average(small_logistic, lr):
     X, y = small_logistic
     opt = nb.BLR(lr)
@@ -126,6 +127,7 @@ def test_explicit_step_sizes_keep_no_average(small_logistic, lr):
         np.testing.assert_array_equal(v, s.params[k])
 
 
+@pytest.mark.slow
 def test_averaging_false_is_the_previous_default(small_logistic):
     """Every block steps with gamma = 0.5 / (1 + c/10) itself."""
     X, y = small_logistic

@@ -117,6 +117,7 @@ def test_a_fit_that_backtracking_cannot_save_is_not_silent():
     assert report.problems and messages
 
 
+@pytest.mark.slow
 def test_report_names_steps_still_shortened_at_the_end():
     """The report's own rule: more than DAMPED_FRACTION of the recent steps shortened, and no
     divergence, gives one problem naming backtracking and the fix."""

@@ -59,6 +59,7 @@ def test_a_blr_step_draws_its_random_numbers_once_like_adam(guide_cls):
     assert counts["blr8"] == counts["adam"] + 1
 
 
+@pytest.mark.slow
 def test_hoisted_loss_is_the_loss():
     """Same values and derivatives as the loss, at the traced parameters and elsewhere."""
     x, y = _data()

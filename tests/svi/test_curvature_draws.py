@@ -23,6 +23,7 @@ def quadratic_model():
     numpyro.sample("x", dist.Normal(0.0, 1.0).expand([3]).to_event(1))
 
 
+@pytest.mark.slow
 def test_extra_draws_are_exact_draws_of_q():
     """On l(z) = |z|^2/2 + const the gradient at a draw is the draw itself: the extra draws have the guide's mean and
     covariance, the exact Hessian I, and the offsets they return are z_k - m up to this step's own c (z - m)."""

@@ -44,6 +44,7 @@ def _run(model, guide, optim, steps, *args):
     return result, [str(w.message) for w in caught if str(w.message).startswith("IVON")]
 
 
+@pytest.mark.slow
 def test_default_fits_the_conjugate_regression_within_its_monte_carlo_error():
     """Before: ``nb.IVON()`` raised (``lr`` and ``ess`` were required), and the settings docs/deep-learning.md gave
     for SVI ended 2 of 21 robustness cases within 1 nat. The default reads ``ess`` off the plate and fits the
@@ -77,6 +78,7 @@ def test_default_fits_the_conjugate_regression_within_its_monte_carlo_error():
     assert np.max(log_sd_err) < 5 * 0.5 * math.sqrt(var_factor * (1 + v)), (log_sd_err, sd / cond_sd)
 
 
+@pytest.mark.slow
 def test_too_short_a_run_is_reported():
     _, messages = _run(regression, AutoNormal(regression), nb.IVON(), 5, X, Y)
     assert any("IVON ran only 5 step(s): too short to judge" in m for m in messages), messages
@@ -98,6 +100,7 @@ def _uncentred():
     return model, jnp.asarray(x, jnp.float32), jnp.asarray(y, jnp.float32)
 
 
+@pytest.mark.slow
 def test_unconverged_default_run_is_reported():
     """A run that ends short of the optimum is not silent: here the means' estimated shortfall (from the gradients'
     mean and covariance over the last steps) or the loss still falling names it."""
@@ -108,6 +111,7 @@ def test_unconverged_default_run_is_reported():
     assert any("short of the optimum" in m and "a_auto_loc" in m and "b_auto_loc" in m for m in messages), messages
 
 
+@pytest.mark.slow
 def test_explicit_lr_computes_what_it_did():
     """With an lr, nb.IVON is IVON's own step with its published defaults (beta1=0.9, beta2=0.99999): the
     same arrays as the algorithm built with them spelled out, and no default-only state."""

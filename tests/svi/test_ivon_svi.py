@@ -33,6 +33,7 @@ def exact_posterior():
     return cov @ A.T @ np.asarray(Y, np.float64) / 0.25, np.sqrt(np.diag(cov))
 
 
+@pytest.mark.slow
 def test_equivalent_to_pure_ivon_on_the_same_gradients():
     # The single-sample ELBO with a fixed eps, L = U(m + sd*eps) - sum log sd, is what Trace_ELBO computes
     # (up to a constant). By the mapping, IVON-for-SVI must equal ivon() on lbar = U/ess with noise sd*eps.
@@ -94,6 +95,7 @@ def test_svi_run_recovers_the_conjugate_posterior():
     assert int(state.skipped) == 0 and int(state.algorithm.count) == 1000
 
 
+@pytest.mark.slow
 def test_run_modes_agree_autodiagonalnormal():
     # progress_bar=False (lax.scan) and progress_bar=True (python loop) with stable_update give the same run
     guide = AutoDiagonalNormal(regression)
@@ -137,6 +139,7 @@ def test_bayesian_mlp_trains_and_predicts():
     assert np.mean(np.mean(np.asarray(draws), 0).round() == np.asarray(y)) > 0.9
 
 
+@pytest.mark.slow
 def test_nonfinite_step_is_skipped_and_flagged():
     opt = IVON(lr=0.1, ess=10.0)
     i, state = opt.init({"w_auto_loc": jnp.zeros(2), "w_auto_scale": jnp.zeros(2)})
@@ -154,6 +157,7 @@ def test_nonfinite_step_is_skipped_and_flagged():
     assert int(j) == 1 and int(new.skipped) == 1 and int(new.algorithm.count) == 1
 
 
+@pytest.mark.slow
 def test_guides_it_cannot_read_and_fallback():
     with pytest.raises(ValueError, match="ess"):
         IVON(lr=0.1)
@@ -207,6 +211,7 @@ def test_unread_module_placeholder_is_passed_through():
     assert np.max(np.abs(m - mean) / sd) < 0.5
 
 
+@pytest.mark.slow
 def test_read_module_placeholder_needs_fallback():
     # no prior for the bias: the model reads it from "net$params", which IVON cannot update
     model = _eqx_model({"weight": dist.Normal(0.0, 1.0)})

@@ -39,6 +39,7 @@ def test_elbo_curve_matches_a_direct_evaluation_and_steps_to_reach():
     assert steps_to_reach(toy, 5.0) is None
 
 
+@pytest.mark.slow
 def test_time_per_step_alternating_returns_one_positive_time_per_svi():
     svis = [SVI(model, AutoNormal(model), opt, Trace_ELBO()) for opt in (numpyro.optim.Adam(0.01), nb.BLR())]
     secs = time_per_step_alternating(svis, jax.random.PRNGKey(0), Y, num_steps=20, rounds=2)

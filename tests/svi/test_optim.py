@@ -210,6 +210,7 @@ def test_invalid_hyperparameters(kwargs, match):
         nb.BLR(0.1, **kwargs)
 
 
+@pytest.mark.slow
 def test_unreadable_guide_names_parameters(small_logistic):
     X, y = small_logistic
     for optim in (nb.BLR(), nb.BLR(fallback=optax.adam(1e-2))):  # a fallback does not take the covariance over

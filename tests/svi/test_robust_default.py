@@ -274,6 +274,7 @@ def imputation_model(x, y=None):
         numpyro.sample("y", dist.Normal(b * xi, 0.5), obs=y)
 
 
+@pytest.mark.slow
 def test_coordinates_no_density_holds_are_reported_as_such():
     """Found trying NumPyro's imputation idiom: the guide's sds at the observed rows grew to 1e39 and the report said
     the loss was still falling and to average the curvature. It now names the site, how many coordinates, the

@@ -61,6 +61,7 @@ def _loss_and_params(model, args, loss=None, params=None):
     return make, raw, read_layout(raw)
 
 
+@pytest.mark.slow
 def test_hutchinson_probe_per_block_is_exact_where_blocks_hold_uncoupled_coordinates(grouped):
     """With a probe of its own, a scalar block (mu) gets the exact curvature, and so does a block whose coordinates
     are coupled to none other of the block (the groups): the 300 couplings to mu do not enter."""
@@ -120,6 +121,7 @@ def logistic_model(X, y=None):
         numpyro.sample("y", dist.Bernoulli(logits=X @ w + b), obs=y)
 
 
+@pytest.mark.slow
 def test_sample_offset_read_off_the_gradients_is_the_draws_offset():
     """z - m from the mean's and the scale's gradients equals the exact Hessian's solve for it (a logistic model,
     so no quadratic shortcut), for every draw."""
@@ -148,6 +150,7 @@ def test_sample_offset_read_off_the_gradients_is_the_draws_offset():
                     assert price[n].control is None and price[n].offset is None
 
 
+@pytest.mark.slow
 def test_sample_offsets_only_for_one_draw_of_a_trace_elbo(grouped):
     """The offset is read off the gradients of one draw's log-density: not with K particles (their gradients are
     averages) nor with TraceMeanField_ELBO (the KL of a site with a closed form enters the gradients)."""
@@ -159,6 +162,7 @@ def test_sample_offsets_only_for_one_draw_of_a_trace_elbo(grouped):
 
 
 @pytest.mark.parametrize("x64", [True, False], ids=["float64", "float32"])
+@pytest.mark.slow
 def test_default_above_256_numbers_reaches_the_mean_field_optimum(grouped, x64):
     """301 numbers: the default estimates the curvature with Hutchinson's probes. On this Gaussian posterior the
     estimate is exact and the control variate removes the draws' noise from the mean gradient, so 300 steps end at

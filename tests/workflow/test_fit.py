@@ -371,6 +371,7 @@ def test_guide_is_usable_after_a_fit(guide_cls):
     assert report is None or report.steps == 30
 
 
+@pytest.mark.slow
 def test_hand_written_guide():
     def guide(x, y=None):
         for name in ("a", "b"):
@@ -487,6 +488,7 @@ def reads_its_data_in_python(x, y=None):
         numpyro.sample("y", dist.Normal(a, 1.0), obs=y)
 
 
+@pytest.mark.slow
 def test_a_model_that_reads_its_data_in_python_is_told_what_to_do():
     from numpyro_blr import workflow as wf
 

@@ -104,6 +104,7 @@ def test_kfold_warm_start_agrees_with_cold_start_and_the_closed_form(observation
         assert abs(res.p - (lp_full - exact.sum())) < 2 * tol
 
 
+@pytest.mark.slow
 def test_kfold_warm_start_that_has_not_converged_is_flagged(observations):
     """A warm start far from the posterior (150 posterior sds) with a step too small to get there in 20 steps:
     every fold's own end-of-run report says it has not converged."""
