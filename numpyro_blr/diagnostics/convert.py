@@ -34,6 +34,7 @@ from numpyro.infer.util import log_likelihood as _numpyro_log_likelihood
 from numpyro_blr.diagnostics.draws import (  # noqa: F401 - re-exported
     DiagnosticsError,
     check_arguments,
+    guide_draws,
     guide_program,
     has_density,
     log_densities,
@@ -173,7 +174,7 @@ def to_datatree(
 
     def compute(args, kwargs, inputs, meta):
         params, rng_key = inputs
-        draws = posterior_draws(guide, params, *args, num_samples=num_samples, rng_key=rng_key, **kwargs)
+        draws = guide_draws(guide, params, args, kwargs, num_samples, rng_key)
         first = {k: v[0] for k, v in draws.items()}
         pmodel = handlers.substitute(model, data=dict(params))
         try:

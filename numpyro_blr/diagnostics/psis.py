@@ -39,10 +39,10 @@ from arviz_stats.base import array_stats
 from numpyro_blr.diagnostics.draws import (  # noqa: F401
     DiagnosticsError,
     check_arguments,
+    guide_draws,
     guide_program,
     has_density,
     log_densities,
-    posterior_draws,
 )
 
 __all__ = [
@@ -193,7 +193,7 @@ def check_guide(guide, params, model, *args, num_samples=4000, rng_key=None, **k
 
     def compute(args, kwargs, inputs, meta):
         params, rng_key = inputs
-        draws = posterior_draws(guide, params, *args, num_samples=num_samples, rng_key=rng_key, **kwargs)
+        draws = guide_draws(guide, params, args, kwargs, num_samples, rng_key)
         return log_densities(guide, params, model, draws, *args, **kwargs)
 
     (log_p, log_q), _ = guide_program(compute, ("check_guide", num_samples), guide, model, params, args, kwargs, rng_key)

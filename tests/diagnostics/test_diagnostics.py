@@ -122,6 +122,9 @@ def test_a_second_tree_on_new_data_of_the_same_shapes_compiles_nothing(glm_fit):
     ll = dist.Bernoulli(logits=jnp.asarray(w) @ X2.T).log_prob(y2)
     np.testing.assert_allclose(tree2["log_likelihood"].ds["y"].values[0, :5], ll, rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(tree2["posterior"].ds["w"].values, tree["posterior"].ds["w"].values)  # same key
+    # posterior_draws: the same draws, its own program
+    draws = nd.posterior_draws(guide, res.params, X2, y2, num_samples=1000, rng_key=jax.random.PRNGKey(1))
+    np.testing.assert_allclose(draws["w"], tree2["posterior"].ds["w"].values[0], rtol=1e-6, atol=1e-7)
 
 
 @pytest.mark.slow  # eagerly: the model's and guide's operations compiled one by one

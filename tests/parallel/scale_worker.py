@@ -10,6 +10,7 @@ tests/parallel/test_scale.py holds the tolerances. With ``--processes`` it is on
 import json
 import os
 import sys
+import time
 import traceback
 
 if __name__ == "__main__":  # run as the worker; imported by test_scale.py (for its models) it leaves the env alone:
@@ -488,12 +489,14 @@ def main(argv):
         print("RESULT " + json.dumps(process_fit()), flush=True)
         return
     for name in argv:
+        start = time.perf_counter()
         try:
             result = CHECKS[name]()
             result["check"] = name
         except Exception:  # noqa: BLE001 - reported to the test, which fails with the traceback
             result = {"check": name, "error": traceback.format_exc()}
         print("RESULT " + json.dumps(result), flush=True)
+        print(f"check {name}: {time.perf_counter() - start:.1f} s (compilation included)", file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":
