@@ -1,5 +1,5 @@
 # make demo : create .venv with Python >= 3.12, install, run the main example on real data
-# make test : create .venv, install, run the test suite (all of it: what CI runs; ~8.5-19 min cold on 2 cores, with the machine's speed: 18:29 in stop 39's clean-clone CI run, 673 tests; 16:02 and 17:58 in stop 38's, 668 tests, on a slow day where the stop-37 tree took 14:53 in the same hour; 9:52-10:00 at stop 37)
+# make test : create .venv, install, run the test suite (all of it: what CI runs; ~8.5-19 min cold on 2 cores, with the machine's speed: 17:32 in stop 42's clean-clone CI run, 687 tests, on a slow day (the quick subset alone 1:40 and the stop-41 tree's 4:44 in the same hour); 18:29 in stop 39's clean-clone CI run, 673 tests; 16:02 and 17:58 in stop 38's, 668 tests, on a slow day where the stop-37 tree took 14:53 in the same hour; 9:52-10:00 at stop 37)
 # make test-fast: the same without the tests marked slow (pytest -m "not slow"): ~2 min cold on 2 cores (stop 42: 1:46, 347 tests, after the tests over ~1.5 s were marked slow; the stop-41 tree 3:45, 461 tests, that morning; stop 39: 3:41, 453 tests, the stop-38 tree 3:20 in the same hour; stop 38: 3:14, 449 tests, the stop-37 tree 3:08 in the same hour; 2:17-2:21 at stop 37)
 # make bench: run the benchmarks (ratios against NumPyro's Adam measured in the same run)
 VENV := .venv

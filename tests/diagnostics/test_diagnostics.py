@@ -131,9 +131,8 @@ def test_a_second_tree_on_new_data_of_the_same_shapes_compiles_nothing(glm_fit):
 def test_a_model_that_reads_its_data_in_python_gets_the_same_tree_eagerly(glm_fit):
     X, y, guide, res, tree = glm_fit
     eager = nd.to_datatree(guide, res.params, reads_its_data_in_python, X, y, num_samples=1000, rng_key=jax.random.PRNGKey(1))
-    tree2 = tree
-    for group in ("posterior", "log_likelihood", "sample_stats"):
-        for name, v in tree2[group].ds.data_vars.items():
+    for group in ("posterior", "log_likelihood", "sample_stats"):  # the fixture's tree: the same key, one program
+        for name, v in tree[group].ds.data_vars.items():
             np.testing.assert_allclose(eager[group].ds[name].values, v.values, rtol=1e-5, atol=1e-5, err_msg=f"{group}/{name}")
 
 
