@@ -134,6 +134,10 @@ def report(fns, params, label, rounds=9, steps=300, timing=True, width=42, note=
             rows[k]["seconds"] = t
     ref = rows["optax.adamw step"]
     dev = f"{jax.device_count()} {jax.default_backend()} device(s) ({jax.devices()[0].device_kind})"
+    if jax.default_backend() == "cpu":  # pinned (taskset -c 0) or not: XLA splits loops between the CPU's threads
+        from numpyro_blr.tree import _cpu_threads, split_loops
+
+        dev += f", {_cpu_threads()} CPU thread(s), loops split: {'yes' if split_loops() else 'no'}"
     print(f"{label}; {dev}{note}")
     how = f"; time: median of {rounds} alternating rounds of {steps} steps" if timing else ""
     print(f"  passes = XLA cost_analysis 'bytes accessed' / parameter bytes ({nbytes / 1e6:.1f} MB){how}")

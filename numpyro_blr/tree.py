@@ -13,6 +13,7 @@ r"""Pytree helpers shared by every algorithm: flat layouts, weight noise, stacki
 """
 
 import math
+import os
 from typing import Any, NamedTuple
 
 import jax
@@ -41,8 +42,7 @@ class FlatLayout(NamedTuple):
 
     def ravel(self, tree):
         leaves = self.treedef.flatten_up_to(tree)
-        flat = [jnp.reshape(jnp.asarray(x, self.dtype), (-1,)) for x in leaves]
-        return flat[0] if len(flat) == 1 else jnp.concatenate(flat)
+        return concatenate_flat([jnp.reshape(jnp.asarray(x, self.dtype), (-1,)) for x in leaves])
 
     def ravel_batched(self, tree):
         """Like :meth:`ravel` for leaves with one extra leading axis (per-example gradients): ``(M, size)``."""
@@ -188,11 +188,22 @@ def hash_normal(key, n, dtype=jnp.float32):
     """
     n = int(n)
     k = jax.random.bits(key, (4,), jnp.uint32)
-    r, b = _box_muller_pairs(k, lax.iota(jnp.uint32, (n + 1) // 2))
-    # materialise the radius and angle once: otherwise XLA's concatenate fusion recomputes the log
-    # for each of the two outputs of a pair
+    half = (n + 1) // 2
+    # the pairs are computed for a length that XLA's CPU backend splits evenly between its threads (the values of
+    # pairs 0 .. half - 1 do not depend on it; an uneven split masks every vector load and store of the loop:
+    # 5x slower on a 2-core AMD EPYC, 931,845 pairs in 8.0 ms where 931,846 take 1.6-1.9 ms; split_loops)
+    r, b = _box_muller_pairs(k, lax.iota(jnp.uint32, even_split_length(half)))
+    # materialise the radius and angle once: otherwise XLA's concatenate fusion recomputes the log for each of the
+    # two outputs of a pair
     r, b = lax.optimization_barrier((r, b))
-    z = jnp.concatenate([r * _cos_of_bits(b), r * _cos_of_bits(b - jnp.uint32(1 << 30))])
+    if split_loops():  # the two halves as the two rows of one loop, which the threads split by rows
+        z = (r[None] * _cos_of_bits(b[None] - jnp.asarray([[0], [1 << 30]], jnp.uint32)))[:, :half].reshape(-1)
+    elif jax.default_backend() == "cpu":  # each half written once, then copied into place: a fused concatenation
+        # picks its operand per element (0.4 ms slower for 1.9M normals, 14 ms faster for 1.9M + 1)
+        c, s = lax.optimization_barrier((r * _cos_of_bits(b), r * _cos_of_bits(b - jnp.uint32(1 << 30))))
+        z = jnp.concatenate([c, s])
+    else:  # an accelerator: one fused pass
+        z = jnp.concatenate([r * _cos_of_bits(b), r * _cos_of_bits(b - jnp.uint32(1 << 30))])
     return z[:n].astype(dtype)
 
 
@@ -238,6 +249,50 @@ def fused_passes():
     Measured in ``docs/deep-learning.md``. Read when a step is traced (the backend that compiles it is the default
     one)."""
     return jax.default_backend() != "cpu"
+
+
+def _cpu_threads():
+    """The CPUs this process may run on: the most threads XLA's CPU backend splits a loop between."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):  # not Linux
+        return max(1, os.cpu_count() or 1)
+
+
+def split_loops():
+    """Whether XLA's CPU backend splits a large elementwise loop between threads (the CPU backend with more than one
+    CPU to run on; read when a step is traced, like :func:`fused_passes`).
+
+    Such a loop is cut into equal parts of its outer dimension, one per thread. Two forms then compile to code that
+    masks every vector load and store (a bounds check per element), which the AMD EPYC CPUs of this project's
+    machines execute 5-15x slower than plain vector code (measured, docs/deep-learning.md, "Steps on a multi-core
+    CPU"): a 1-D loop whose length is not a multiple of the number of parts, and a fused concatenation of 1-D
+    arrays (the operand is chosen element by element). :func:`concatenate_flat` and :func:`even_split_length`
+    avoid both where the step controls the shapes."""
+    return jax.default_backend() == "cpu" and _cpu_threads() > 1
+
+
+def concatenate_flat(parts):
+    """``jnp.concatenate(parts)`` of 1-D arrays. Where XLA splits loops between threads (:func:`split_loops`) the
+    parts are concatenated as rows of one ``(1, n)`` array: XLA then copies each part into place instead of fusing
+    the concatenation into a loop that picks an operand per element (a network's raveled gradient, 1.9M float32:
+    1.2-1.6 ms instead of 6-7 ms on 2 cores). The values are the same."""
+    if len(parts) == 1:
+        return parts[0]
+    if split_loops():
+        return jnp.concatenate([jnp.reshape(p, (1, -1)) for p in parts], axis=1).reshape(-1)
+    return jnp.concatenate(parts)
+
+
+def even_split_length(n):
+    """``n`` rounded up to a multiple of 8 x the CPU threads where XLA splits loops between them (:func:`split_loops`),
+    so that a loop of that length is split into whole vectors; ``n`` elsewhere. For work whose first ``n`` results do
+    not depend on the length (counter-based noise)."""
+    n = int(n)
+    if not split_loops():
+        return n
+    step = 8 * _cpu_threads()
+    return -(-n // step) * step
 
 
 class NoiseSlices:

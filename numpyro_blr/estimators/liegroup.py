@@ -30,6 +30,7 @@ import numpyro.distributions as dist
 from numpyro_blr.estimators import Estimate
 from numpyro_blr.estimators.weights import _monte_carlo
 from numpyro_blr.rules.liegroup import AffineGrad, MultiplicativeGrad, Rayleigh
+from numpyro_blr import tree
 from numpyro_blr.tree import NoiseSlices, finite_check, leaves_from
 
 # q0 whose inverse CDF numpyro computes in closed form: drawn from one batch of uniforms
@@ -188,8 +189,17 @@ def multiplicative(base, ess, temperature=1.0, weight_decay=0.0, mc_samples=1, s
 
     def algebra(state, g, xi):
         # X = (g+ xi+ G, -g- xi- G) - T/N
-        gg = jnp.concatenate([g, -g]) if signed else g
-        return state.scale * xi * gg - tau
+        if not signed:
+            return state.scale * xi * g - tau
+        if not tree.split_loops():
+            return state.scale * xi * jnp.concatenate([g, -g]) - tau
+        # where XLA's CPU backend splits loops between threads: as two rows (g+ and g-) against G broadcast with its
+        # sign, the rows split between the threads, instead of a concatenation fused into the loop, which picks its
+        # operand element by element (tree.split_loops; on one thread the fused concatenation is the faster). The
+        # values are the same.
+        n = g.shape[0]
+        sign = jnp.asarray([[1.0], [-1.0]], g.dtype)
+        return (state.scale.reshape(2, n) * xi.reshape(2, n) * (sign * g) - tau).reshape(-1)
 
     def estimate(key, state, loss_fn, *args):
         scale = state.scale
