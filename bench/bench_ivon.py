@@ -10,7 +10,9 @@ Default: the 26k-weight digits MLP on a digits batch of 64, then the digits comp
 next to AdamW's (device-independent: it can be judged on a machine without a GPU), and, unless ``--cost-only``,
 the median time over alternating rounds (every step jitted, warmed up and timed in turn in the same process, so
 the ratios are insensitive to the machine's load). AdamW and IVON use the same batch, loss, parameters and
-``jax.value_and_grad``; IVON derives its key inside jit (``fold_in``), as a training loop does.
+``jax.value_and_grad``; IVON derives its key inside jit (``fold_in``), as a training loop does. On a CPU the
+header says how many threads the steps were compiled for and whether XLA splits their loops between them
+(``taskset -c 0`` pins one core; docs/deep-learning.md, "Steps on a multi-core CPU").
 """
 
 import argparse

@@ -1,6 +1,10 @@
 """Lie-group BLR step cost vs optax.adamw on the same MLP and batch, and the digits targets.
 
-    taskset -c 0 python bench/bench_liegroup.py [--no-digits] [--rounds 9]
+    python bench/bench_liegroup.py [--no-digits] [--rounds 9]            # every CPU thread, as a user runs it
+    taskset -c 0 python bench/bench_liegroup.py [--no-digits] [--rounds 9]   # one core: XLA splits no loop
+
+The header says how many CPU threads the steps were compiled for and whether XLA splits their loops between them
+(``numpyro_blr.tree.split_loops``; docs/deep-learning.md, "Steps on a multi-core CPU"): report which.
 
 Every step is jitted, warmed up, and the candidates are timed alternately in the same process (median over
 rounds of 300 steps, as bench/bench_ivon.py), so the printed ratios are insensitive to the machine's load. Each
