@@ -6,7 +6,7 @@
 #   * a GPT-2-small-shaped transformer LM (124M weights, bf16 matmuls, synthetic tokens), batch 8 x seq 512:
 #     IVON vs AdamW only
 # Assumes python3 imports jax (CUDA) and numpyro_blr (run from the repository root; PYTHONPATH is extended with it).
-# Every command runs under `timeout`; the whole script stays under 6 minutes (the limits below add up to 330 s).
+# Every command runs under `timeout`; the whole script stays under 7 minutes (the limits below add up to 420 s).
 # Logs go to "$OUT/<name>.log", one line per command to "$OUT/summary.txt", and all logs are printed at the end.
 #
 #   OUT=/tmp/out bash bench/gpu_issue26.sh             # the GPU run
@@ -44,7 +44,9 @@ run liegroup_mlp_1.9M 60 "$PY" bench/bench_liegroup.py --sizes "$MLP1" --batch "
 run ivon_mlp_50M 50 "$PY" bench/bench_ivon.py --sizes "$MLP2" --batch "$B2" $R2 --no-digits
 run liegroup_mlp_50M 65 "$PY" bench/bench_liegroup.py --sizes "$MLP2" --batch "$B2" $R2 --no-student-t --no-digits
 run transformer_124M 90 "$PY" bench/transformer_lm.py $TF $RT
+# the network rows' quick tests on the accelerator (float32 there); last, so that the figures come first
+[ "${QUICK:-0}" = "1" ] || run tests_rows 90 "$PY" -m pytest -q -m "not slow" tests/rows -p no:cacheprovider
 
-for f in "$OUT"/summary.txt "$OUT"/env.log "$OUT"/ivon_*.log "$OUT"/liegroup_*.log "$OUT"/transformer_*.log; do
+for f in "$OUT"/summary.txt "$OUT"/env.log "$OUT"/ivon_*.log "$OUT"/liegroup_*.log "$OUT"/transformer_*.log "$OUT"/tests_*.log; do
   echo "===== $f"; tail -n 25 "$f"
 done
