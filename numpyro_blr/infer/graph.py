@@ -542,7 +542,9 @@ class Graph:
                 size, sub = msg["args"]
                 if msg["name"] in plate_values:
                     return plate_values[msg["name"]]
-                if sub is not None and sub != size and self.full_plates:
+                if sub is not None and sub != size and (self.full_plates or sub > size):
+                    # more indices than the plate has cannot be drawn (without replacement: jax.random.choice
+                    # raises, in some JAX versions while the model is traced); svi names the plate after the trace
                     return jnp.arange(size)
             return None
 

@@ -19,6 +19,9 @@ from numpyro_blr.diagnostics import plots
 
 from conftest import logistic_model
 
+# oracles that redo the model's matrix products outside its program: full float32 (conftest.float32_matmuls)
+pytestmark = pytest.mark.usefixtures("float32_matmuls")
+
 EIGHT_Y = np.array([28.0, 8.0, -3.0, 7.0, -1.0, 1.0, 18.0, 12.0])
 EIGHT_SIGMA = np.array([15.0, 10.0, 16.0, 11.0, 9.0, 11.0, 10.0, 18.0])
 
@@ -58,7 +61,7 @@ def exact_map(X, y, weights=None, prior_prec=1.0, iters=25):
 
 
 @pytest.fixture(scope="module")
-def glm_fit():
+def glm_fit(float32_matmuls):
     """BLR full-Gaussian fit of a 3-coefficient logistic regression (n = 1000): a near-Gaussian posterior. Fitted
     with nb.fit (one compiled program; svi.run's eager autoguide setup cost this file's first test 4-5 s)."""
     X, y = glm_data(1000)

@@ -142,7 +142,13 @@ def test_svi_nonfinite_row_is_named_at_construction():
         svi(mean_model(N), y)
 
 
-def test_svi_minibatch_larger_than_the_data_is_named():
+@pytest.mark.parametrize("backend", ["cpu", "accelerator"])
+def test_svi_minibatch_larger_than_the_data_is_named(backend, monkeypatch):
+    if backend == "accelerator":
+        # NumPyro draws plate indices with jax.random.choice(replace=False) off the CPU, which raises a ValueError
+        # of its own for subsample_size > size while the model is traced (found on a GPU): our message comes first
+        monkeypatch.setattr(numpyro.primitives, "_subsample_fn",
+                            lambda size, sub, rng_key=None: jax.random.choice(rng_key, size, (sub,), replace=False))
     with pytest.raises(ModelError, match=r"plate 'n' declares subsample_size=50, more than its size 30"):
         svi(mean_model(30, batch=50), data()[:30])
 
