@@ -11,9 +11,10 @@ are even baked into the program as constants). :func:`fit` runs the same algorit
     \texttt{svi.init}(k, x)\big),
 
 jit-compiled with the data :math:`x` as arguments (never as constants) and the guide's setup traced
-into it, and cached per (model, guide, optimizer configuration, loss, steps, non-array arguments);
-JAX's own cache then keys it by the arrays' shapes and dtypes, so a refit with new data of the same
-shapes runs the steps alone, and new shapes recompile silently.
+into it, and cached per (model, guide, optimizer configuration, loss, non-array arguments); the number of
+steps :math:`n` is an argument too (one program runs any :math:`n` up to its capacity, a power of two of at
+least 1,024). JAX's own cache then keys it by the arrays' shapes and dtypes, so a refit with new data of the same
+shapes, or with another number of steps, runs the steps alone, and new shapes recompile silently.
 
 The guide's setup inside a traced program leaves traced values in the guide object (its prototype
 trace, initial locations, the closures over the data that ``guide.median`` and
@@ -849,11 +850,12 @@ class _Program:
     """
 
     def __init__(self, model, guide, optim, loss, *, num_steps, chunk, stable_update, rebuild, compiler_options,
-                 owner=None, post=None, batch_size=None, warm_steps=None, disk=None):
+                 owner=None, post=None, batch_size=None, warm_steps=None, disk=None, capacity=None):
         self.svi = SVI(model, _unvalidated(guide), optim, loss)
         self.svi.reads_its_guide = False  # the optimizer was bound to the user's guide (_bound) before the program
         self.owner = guide if owner is None else owner  # the object a guide's setup is stored in
         self.num_steps, self.chunk = num_steps, chunk
+        self.capacity = capacity  # fit's programs: the step count is an argument (_STEPS), at most this many
         self.stable_update = stable_update
         self.rebuild = rebuild
         self.post, self.batch_size = post, batch_size
@@ -880,6 +882,8 @@ class _Program:
     def _arguments(self, data):
         arrays, extra = data
         args, kwargs = self.rebuild(arrays)
+        if _STEPS in extra:
+            extra = {k: v for k, v in extra.items() if k != _STEPS}
         return args, {**kwargs, **extra}
 
     def _update(self, state, data):
@@ -889,6 +893,28 @@ class _Program:
 
     def _scan(self, state, data, length):
         return lax.scan(lambda s, _: self._update(s, data), state, None, length=length)
+
+    def _steps_upto(self, state, data):
+        """``(state, losses)`` after the number of steps in the arguments (``data``'s ``_STEPS``, traced): a loop of
+        that many steps, the losses written into a buffer of ``self.capacity`` (NaN past the count). The buffer is
+        of the widest float JAX has here, each loss converted to it exactly, and it is converted back to the losses'
+        dtype (known once the loop's step is traced) after the loop: the values are the step's own."""
+        dtypes = []
+
+        def body(carry):
+            i, s, losses = carry
+            s, loss = self._update(s, data)
+            dtypes.append(jnp.result_type(loss))
+            return i + 1, s, losses.at[i].set(loss.astype(losses.dtype))
+
+        n = data[1][_STEPS]
+        losses = jnp.full((self.capacity,), jnp.nan, jnp.result_type(float))
+        _, state, losses = lax.while_loop(lambda c: c[0] < n, body, (jnp.zeros((), n.dtype), state, losses))
+        return state, losses.astype(dtypes[-1])
+
+    def _loop(self, state, data, length):
+        """The steps of a call: ``length`` of them (static), or as many as the arguments say (:meth:`_steps_upto`)."""
+        return self._scan(state, data, length) if self.capacity is None else self._steps_upto(state, data)
 
     def _start(self, rng_key, data, checks=True, init_params=None):
         args, kwargs = self._arguments(data)
@@ -905,7 +931,7 @@ class _Program:
 
     def _run_fn(self, rng_key, data):
         state = self._start(rng_key, data)
-        state, losses = self._scan(state, data, self.num_steps)
+        state, losses = self._loop(state, data, self.num_steps)
         return state, losses, self.svi.get_params(state), self.setup.collect(self.svi, (rng_key, data))
 
     def _init_fn(self, rng_key, data):
@@ -929,7 +955,7 @@ class _Program:
         return (*out, self.setup.collect(self.svi, (rng_key, data)))
 
     def _steps_fn(self, state, data):
-        return self._scan(state, data, self.chunk)
+        return self._loop(state, data, self.chunk)
 
     def _params_fn(self, state):
         return self.svi.get_params(state)  # under jit: no warnings, and the constraints in one program
@@ -1243,13 +1269,17 @@ class _Program:
             self._keep_setup(sig)
         return result
 
-    def run(self, rng_key, data, init_state, progress_bar):
-        """``(state, losses, params)`` of a fit from ``rng_key`` (or continued from ``init_state``)."""
+    def run(self, rng_key, data, init_state, progress_bar, num_steps=None, chunk=None):
+        """``(state, losses, params)`` of a fit from ``rng_key`` (or continued from ``init_state``): ``num_steps``
+        steps in calls of ``chunk`` (default: the program's own). A program with a ``capacity`` reads each call's
+        count from ``data`` (``_STEPS``, which :func:`fit` sets to ``chunk``)."""
+        num_steps = self.num_steps if num_steps is None else num_steps
+        chunk = self.chunk if chunk is None else chunk
         if init_state is None:
             self.setup_eagerly(rng_key, data)
         if init_state is None and not progress_bar:
-            result, _ = self._call("run", rng_key, data)
-            return tuple(result)
+            state, losses, params = self._call("run", rng_key, data)[0]
+            return state, self._first(losses, num_steps), params
         base = None
         if init_state is None:
             result, base = self._call("init", rng_key, data)
@@ -1257,29 +1287,43 @@ class _Program:
         else:  # a fit continued: the guide as set up for these shapes, where a fit of them set it up
             with self.lock:
                 self._use_setup((rng_key, data), known_only=True)
-        state, losses = self._continue(init_state, data, progress_bar, base)
+        state, losses = self._continue(init_state, data, progress_bar, base, num_steps, chunk)
         with self.lock:
             params = self._later_program("params", (state,), base)(state)
         return state, losses, params
 
-    def _continue(self, state, data, progress_bar, base=None):
+    def _first(self, losses, n):
+        """The losses of a call's ``n`` steps: all of them, or the first ``n`` of a program with a capacity (sliced on
+        the host and put back with ``jax.device_put``: a slice on the device, or ``jnp.asarray`` of the host array,
+        would compile a small program for each ``n``)."""
+        if self.capacity is None:
+            return losses
+        return jax.device_put(np.asarray(losses)[:n])
+
+    def _continue(self, state, data, progress_bar, base=None, num_steps=None, chunk=None):
         import tqdm
 
+        num_steps = self.num_steps if num_steps is None else num_steps
+        chunk = self.chunk if chunk is None else chunk
         chunks = []
-        n = self.num_steps // self.chunk
+        n = num_steps // chunk
         with self.lock:
             steps = self._later_program("steps", (state, data), base)
-        with tqdm.trange(n * self.chunk, disable=not progress_bar, leave=True) as bar:
+        with tqdm.trange(n * chunk, disable=not progress_bar, leave=True) as bar:
             for _ in range(n):
                 with self.lock:
                     state, losses = steps(state, data)
-                chunks.append(losses)
+                chunks.append(self._first(losses, chunk))
                 if progress_bar:
-                    last = np.asarray(losses)
+                    last = np.asarray(chunks[-1])
                     bar.set_postfix_str(f"init loss: {float(np.asarray(chunks[0])[0]):.4f}, avg. loss [last {len(last)}]: "
                                         f"{float(np.nanmean(last)):.4f}", refresh=False)
-                bar.update(self.chunk)
-        return state, jnp.concatenate(chunks) if len(chunks) > 1 else chunks[0]
+                bar.update(chunk)
+        if len(chunks) == 1:
+            return state, chunks[0]
+        if self.capacity is not None:  # host arrays already: one transfer, no concatenation program
+            return state, jax.device_put(np.concatenate([np.asarray(c) for c in chunks]))
+        return state, jnp.concatenate(chunks)
 
 
 def _guarded(loaded, jitted):
@@ -1296,6 +1340,18 @@ def _guarded(loaded, jitted):
         return jitted(*args)
 
     return call
+
+
+# The number of steps a fit's program runs at a call is one of its arguments (under this key of the arguments' keyword
+# dict, which the model does not see), so that fits of any number of steps up to the program's capacity share it
+_STEPS = "_nb_num_steps"
+_MIN_CAPACITY = 1024
+
+
+def _capacity(steps):
+    """The most steps a :func:`fit` program runs at one call, for calls of ``steps`` steps: a power of two, at least
+    1,024 (the length of the buffer its losses are written to; the steps past the call's count are not run)."""
+    return max(_MIN_CAPACITY, 1 << (int(steps) - 1).bit_length())
 
 
 def _chunk_length(num_steps, progress_bar):
@@ -1447,9 +1503,11 @@ def fit(model, guide, *args, optim=None, num_steps=1000, rng_key=None, loss=None
     :returns: NumPyro's ``SVIRunResult(params, state, losses)``, with the same end-of-run warnings
         as ``svi.run`` (``nb.fit_report(result, guide=guide)`` shows the evidence).
 
-    The program is cached per (model, guide, optimizer configuration, loss, ``num_steps``, the
-    non-array arguments); JAX keys it further by the arrays' shapes and dtypes. A refit with new
-    data of the same shapes therefore costs the steps alone, in this process; across processes, see
+    The program is cached per (model, guide, optimizer configuration, loss, the non-array arguments);
+    JAX keys it further by the arrays' shapes and dtypes. The number of steps is one of its arguments: a
+    program runs any number up to its capacity (the next power of two, at least 1,024; with the progress
+    bar, per call of about a twentieth of them). A refit with new data of the same shapes, or with another
+    ``num_steps`` (or a continued fit), therefore costs the steps alone, in this process; across processes, see
     :func:`enable_compilation_cache`. Our optimizers are keyed by their configuration (a new
     ``nb.BLR()`` with the same options reuses the program), NumPyro's autoguides by their class and options
     while this sets them up (``nb.fit(model, AutoNormal(model), ...)`` for each data set reuses the program,
@@ -1477,12 +1535,13 @@ def fit(model, guide, *args, optim=None, num_steps=1000, rng_key=None, loss=None
     data, rebuild, signature = _split(args, kwargs)
     data = [jnp.asarray(x) if isinstance(x, np.ndarray) else x for x in data]
     chunk = _chunk_length(num_steps, progress_bar)
+    capacity = _capacity(chunk)  # the program runs any count up to it: other num_steps reuse it
     effort = resolve_effort(compile_effort, data, 1, num_steps)
     check_data(model, args, kwargs, shapes=False)  # NaN/inf in the data: on the concrete arrays, before the program
 
     def once(optim):
         guide_key, built = _guide_key(guide)
-        key = (id(model), guide_key, _optimizer_key(optim), _loss_key(loss), num_steps, chunk, bool(stable_update),
+        key = (id(model), guide_key, _optimizer_key(optim), _loss_key(loss), capacity, bool(stable_update),
                signature, effort, _DISK["dir"])
         with _CACHE_LOCK:
             program = _CACHE.get(key)
@@ -1492,15 +1551,16 @@ def fit(model, guide, *args, optim=None, num_steps=1000, rng_key=None, loss=None
             if built is not None and not _pristine_autoguide(guide):  # set up by a program since dropped: as built
                 _assign_vars(guide, built)
             options = _compiler_options(effort)
-            disk = _disk_config(optim, loss, num_steps, chunk, bool(stable_update), signature, effort, options)
+            disk = _disk_config(optim, loss, capacity, "any", bool(stable_update), signature, effort, options)
             program = _Program(model, guide, optim, loss, num_steps=num_steps, chunk=chunk, stable_update=bool(stable_update),
-                               rebuild=rebuild, compiler_options=options, disk=disk)
+                               rebuild=rebuild, compiler_options=options, disk=disk, capacity=capacity)
             with _CACHE_LOCK:
                 _CACHE[key] = program
                 while len(_CACHE) > _CACHE_SIZE:
                     _CACHE.popitem(last=False)
         with explain_traced_data(model, args, kwargs, "nb.fit"):
-            state, losses, params = program.run(rng_key, (data, {}), init_state, progress_bar)
+            state, losses, params = program.run(rng_key, (data, {_STEPS: jnp.asarray(chunk, jnp.int32)}), init_state, progress_bar,
+                                                num_steps, chunk)
         if built is not None:  # the program's guide is set up now: so is this one, alike
             if program.owner is not guide:
                 _assign_vars(guide, vars(program.owner))
@@ -1798,7 +1858,7 @@ def enable_compilation_cache(path=None):
     guide's setup and ``svi.init``: the model's density, which the setup evaluates with its gradient, and
     the guide; plus the loss at the start where the setup is not traced or the guide's class is not
     NumPyro's or ours): its jaxpr's text and constants' values, with the optimizer's configuration, the
-    loss's options, ``num_steps``, the progress bar's chunk, ``stable_update``, the compile effort and
+    loss's options, the program's capacity of steps, ``stable_update``, the compile effort and
     XLA options, the non-array arguments, the arrays' shapes and dtypes, the versions of JAX, jaxlib,
     NumPyro and this package (and a hash of this package's source), the backend and device, and JAX's
     settings that change lowering (``jax_enable_x64``, the matmul precision, the PRNG, ...). That trace

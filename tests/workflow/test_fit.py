@@ -354,6 +354,31 @@ def test_progress_bar_and_resume_give_the_same_fit():
     np.testing.assert_allclose(jnp.concatenate([half.losses, resumed.losses]), whole.losses, rtol=1e-6)
 
 
+def test_another_number_of_steps_and_a_continued_fit_compile_nothing(compiles):
+    """The step count is an argument of the program (a loop that stops at it, its losses in a buffer of the
+    program's capacity): a fit of another num_steps runs the same program, and a continued fit of any length the
+    continuation's program (compiled by the first one).
+    Each gives svi.run's fit of that many steps, its losses those steps' alone (no NaN of the buffer's tail)."""
+    x, y = data(seed=3)
+    guide = AutoNormal(regression)
+    first = nb.fit(regression, guide, x, y=y, num_steps=50, progress_bar=False)
+    nb.fit(regression, guide, x, y=y, num_steps=10, progress_bar=False, init_state=first.state)  # its own program
+    with compiles:
+        short = nb.fit(regression, guide, x, y=y, num_steps=17, progress_bar=False)
+        more = nb.fit(regression, guide, x, y=y, num_steps=33, progress_bar=False, init_state=short.state)
+    assert compiles.count == 0
+    assert short.losses.shape == (17,) and more.losses.shape == (33,)
+    assert short.losses.dtype == first.losses.dtype and np.all(np.isfinite(np.asarray(more.losses)))
+    np.testing.assert_array_equal(short.losses, first.losses[:17])  # the same steps, in the same program
+    ref = SVI(regression, AutoNormal(regression), nb.BLR(), nb.Trace_ELBO()).run(jax.random.PRNGKey(0), 17, x, y=y,
+                                                                               progress_bar=False)
+    np.testing.assert_allclose(short.losses, ref.losses, rtol=1e-6)
+    np.testing.assert_allclose(jnp.concatenate([short.losses, more.losses]), first.losses, rtol=1e-6)
+    for k in ref.params:
+        np.testing.assert_allclose(short.params[k], ref.params[k], rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(more.params[k], first.params[k], rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("guide_cls", [AutoNormal, AutoMultivariateNormal, AutoDelta])
 @pytest.mark.slow
 def test_guide_is_usable_after_a_fit(guide_cls):
