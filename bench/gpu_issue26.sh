@@ -44,8 +44,11 @@ run liegroup_mlp_1.9M 60 "$PY" bench/bench_liegroup.py --sizes "$MLP1" --batch "
 run ivon_mlp_50M 50 "$PY" bench/bench_ivon.py --sizes "$MLP2" --batch "$B2" $R2 --no-digits
 run liegroup_mlp_50M 65 "$PY" bench/bench_liegroup.py --sizes "$MLP2" --batch "$B2" $R2 --no-student-t --no-digits
 run transformer_124M 90 "$PY" bench/transformer_lm.py $TF $RT
-# the network rows' quick tests on the accelerator (float32 there); last, so that the figures come first
-[ "${QUICK:-0}" = "1" ] || run tests_rows 90 "$PY" -m pytest -q -m "not slow" tests/rows -p no:cacheprovider
+# the network rows' quick tests on the accelerator (float32 there); last, so that the figures come first. In one
+# process they took over 90 s on an H200 (compilation); in 6, with each process allocating GPU memory as it needs it,
+# tests/rows, tests/rules and tests/svi took 50 s (stop 44)
+[ "${QUICK:-0}" = "1" ] || XLA_PYTHON_CLIENT_PREALLOCATE=false run tests_rows 90 "$PY" -m pytest -q -n 6 \
+  --dist loadfile -m "not slow" tests/rows -p no:cacheprovider
 
 for f in "$OUT"/summary.txt "$OUT"/env.log "$OUT"/ivon_*.log "$OUT"/liegroup_*.log "$OUT"/transformer_*.log "$OUT"/tests_*.log; do
   echo "===== $f"; tail -n 25 "$f"
