@@ -11,10 +11,11 @@ are even baked into the program as constants). :func:`fit` runs the same algorit
     \texttt{svi.init}(k, x)\big),
 
 jit-compiled with the data :math:`x` as arguments (never as constants) and the guide's setup traced
-into it, and cached per (model, guide, optimizer configuration, loss, non-array arguments); the number of
-steps :math:`n` is an argument too (one program runs any :math:`n` up to its capacity, a power of two of at
-least 1,024). JAX's own cache then keys it by the arrays' shapes and dtypes, so a refit with new data of the same
-shapes, or with another number of steps, runs the steps alone, and new shapes recompile silently.
+into it, and cached per (model, guide, optimizer configuration, loss, non-array arguments); on the CPU the
+number of steps :math:`n` is an argument too (one program runs any :math:`n` up to its capacity, a power of two
+of at least 1,024; elsewhere it is part of the key). JAX's own cache then keys it by the arrays' shapes and
+dtypes, so a refit with new data of the same shapes, or on the CPU with another number of steps, runs the steps
+alone, and new shapes recompile silently.
 
 The guide's setup inside a traced program leaves traced values in the guide object (its prototype
 trace, initial locations, the closures over the data that ``guide.median`` and
@@ -1287,6 +1288,8 @@ class _Program:
         else:  # a fit continued: the guide as set up for these shapes, where a fit of them set it up
             with self.lock:
                 self._use_setup((rng_key, data), known_only=True)
+            if self.needs_setup():  # this program has not started a fit of these shapes (the earlier fit ran
+                self._call("init", rng_key, data)  # another: other steps or options): its start sets the guide up
         state, losses = self._continue(init_state, data, progress_bar, base, num_steps, chunk)
         with self.lock:
             params = self._later_program("params", (state,), base)(state)
@@ -1350,7 +1353,12 @@ _MIN_CAPACITY = 1024
 
 def _capacity(steps):
     """The most steps a :func:`fit` program runs at one call, for calls of ``steps`` steps: a power of two, at least
-    1,024 (the length of the buffer its losses are written to; the steps past the call's count are not run)."""
+    1,024 (the length of the buffer its losses are written to; the steps past the call's count are not run). None
+    off the CPU: there the count stays fixed in the program (a loop of a count known only at run time reads its
+    condition back to the host at every step on a GPU, where a fixed count runs without; not measured here), and
+    each number of steps is a program of its own."""
+    if jax.default_backend() != "cpu":
+        return None
     return max(_MIN_CAPACITY, 1 << (int(steps) - 1).bit_length())
 
 
@@ -1504,10 +1512,11 @@ def fit(model, guide, *args, optim=None, num_steps=1000, rng_key=None, loss=None
         as ``svi.run`` (``nb.fit_report(result, guide=guide)`` shows the evidence).
 
     The program is cached per (model, guide, optimizer configuration, loss, the non-array arguments);
-    JAX keys it further by the arrays' shapes and dtypes. The number of steps is one of its arguments: a
-    program runs any number up to its capacity (the next power of two, at least 1,024; with the progress
-    bar, per call of about a twentieth of them). A refit with new data of the same shapes, or with another
-    ``num_steps`` (or a continued fit), therefore costs the steps alone, in this process; across processes, see
+    JAX keys it further by the arrays' shapes and dtypes. On the CPU the number of steps is one of its
+    arguments: a program runs any number up to its capacity (the next power of two, at least 1,024; with the
+    progress bar, per call of about a twentieth of them); on an accelerator each ``num_steps`` is a program
+    (:func:`_capacity`). A refit with new data of the same shapes, or on the CPU with another ``num_steps``
+    (or a continued fit), therefore costs the steps alone, in this process; across processes, see
     :func:`enable_compilation_cache`. Our optimizers are keyed by their configuration (a new
     ``nb.BLR()`` with the same options reuses the program), NumPyro's autoguides by their class and options
     while this sets them up (``nb.fit(model, AutoNormal(model), ...)`` for each data set reuses the program,
@@ -1535,13 +1544,15 @@ def fit(model, guide, *args, optim=None, num_steps=1000, rng_key=None, loss=None
     data, rebuild, signature = _split(args, kwargs)
     data = [jnp.asarray(x) if isinstance(x, np.ndarray) else x for x in data]
     chunk = _chunk_length(num_steps, progress_bar)
-    capacity = _capacity(chunk)  # the program runs any count up to it: other num_steps reuse it
+    capacity = _capacity(chunk)  # the program runs any count up to it: other num_steps reuse it (on CPU)
+    steps_key = (num_steps, chunk) if capacity is None else (capacity,)
+    extra = {} if capacity is None else {_STEPS: jnp.asarray(chunk, jnp.int32)}
     effort = resolve_effort(compile_effort, data, 1, num_steps)
     check_data(model, args, kwargs, shapes=False)  # NaN/inf in the data: on the concrete arrays, before the program
 
     def once(optim):
         guide_key, built = _guide_key(guide)
-        key = (id(model), guide_key, _optimizer_key(optim), _loss_key(loss), capacity, bool(stable_update),
+        key = (id(model), guide_key, _optimizer_key(optim), _loss_key(loss), steps_key, bool(stable_update),
                signature, effort, _DISK["dir"])
         with _CACHE_LOCK:
             program = _CACHE.get(key)
@@ -1551,7 +1562,8 @@ def fit(model, guide, *args, optim=None, num_steps=1000, rng_key=None, loss=None
             if built is not None and not _pristine_autoguide(guide):  # set up by a program since dropped: as built
                 _assign_vars(guide, built)
             options = _compiler_options(effort)
-            disk = _disk_config(optim, loss, capacity, "any", bool(stable_update), signature, effort, options)
+            disk = _disk_config(optim, loss, *(steps_key if capacity is None else (capacity, "any")), bool(stable_update),
+                                signature, effort, options)
             program = _Program(model, guide, optim, loss, num_steps=num_steps, chunk=chunk, stable_update=bool(stable_update),
                                rebuild=rebuild, compiler_options=options, disk=disk, capacity=capacity)
             with _CACHE_LOCK:
@@ -1559,8 +1571,7 @@ def fit(model, guide, *args, optim=None, num_steps=1000, rng_key=None, loss=None
                 while len(_CACHE) > _CACHE_SIZE:
                     _CACHE.popitem(last=False)
         with explain_traced_data(model, args, kwargs, "nb.fit"):
-            state, losses, params = program.run(rng_key, (data, {_STEPS: jnp.asarray(chunk, jnp.int32)}), init_state, progress_bar,
-                                                num_steps, chunk)
+            state, losses, params = program.run(rng_key, (data, extra), init_state, progress_bar, num_steps, chunk)
         if built is not None:  # the program's guide is set up now: so is this one, alike
             if program.owner is not guide:
                 _assign_vars(guide, vars(program.owner))
@@ -1858,7 +1869,8 @@ def enable_compilation_cache(path=None):
     guide's setup and ``svi.init``: the model's density, which the setup evaluates with its gradient, and
     the guide; plus the loss at the start where the setup is not traced or the guide's class is not
     NumPyro's or ours): its jaxpr's text and constants' values, with the optimizer's configuration, the
-    loss's options, the program's capacity of steps, ``stable_update``, the compile effort and
+    loss's options, the program's capacity of steps (``num_steps`` and the progress bar's chunk off the CPU),
+    ``stable_update``, the compile effort and
     XLA options, the non-array arguments, the arrays' shapes and dtypes, the versions of JAX, jaxlib,
     NumPyro and this package (and a hash of this package's source), the backend and device, and JAX's
     settings that change lowering (``jax_enable_x64``, the matmul precision, the PRNG, ...). That trace
