@@ -354,6 +354,7 @@ def test_progress_bar_and_resume_give_the_same_fit():
     np.testing.assert_allclose(jnp.concatenate([half.losses, resumed.losses]), whole.losses, rtol=1e-6)
 
 
+@pytest.mark.slow  # 10-12 s each: four programs (run, continuation, two capacities or counts)
 @pytest.mark.parametrize("backend", ["cpu", "accelerator"])
 def test_another_number_of_steps_and_a_continued_fit_compile_nothing(backend, compiles, monkeypatch):
     """On the CPU the step count is an argument of the program (a loop that stops at it, its losses in a buffer of
