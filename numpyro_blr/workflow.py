@@ -208,9 +208,11 @@ def _check_int(value, name, low, high=None):
 
 def _program(model, guide, args, kwargs, batch, *, optim, num_steps, loss, post, batch_size, owner, compile_effort,
              warm_steps=None, work_steps=None):
-    """The compiled many-fit program for these arguments (from fit's cache). ``warm_steps``: the steps of a
-    warm-started fit (:meth:`numpyro_blr.compile_once._Program.chain`); ``work_steps``: the steps of all
-    the fits together where they run one after another (for ``compile_effort="auto"``)."""
+    """The compiled many-fit program for these arguments (from fit's cache), and its ``data``. ``warm_steps``: the
+    steps of a warm-started fit (:meth:`numpyro_blr.compile_once._Program.chain`); ``work_steps``: the steps of all
+    the fits together where they run one after another (for ``compile_effort="auto"``). Both step counts are
+    arguments of the program (in ``data``), not part of its key: another ``num_steps`` or ``warm_steps`` runs the
+    same program (unless ``compile_effort="auto"`` resolves differently for it)."""
     from numpyro_blr.optim import BLR
 
     optim = _fit._bound(BLR() if optim is None else _fit._check_optimizer(optim), owner, args, kwargs)
@@ -225,18 +227,20 @@ def _program(model, guide, args, kwargs, batch, *, optim, num_steps, loss, post,
         # 7.5-8.1 s with "high")
         compile_effort = _effort(compile_effort, arrays, 1, work_steps / 2)
     batch_sig = tuple(sorted((k, jax.tree.structure(v)) for k, v in batch.items()))
-    key = ("many", id(model), id(guide), _fit._optimizer_key(optim), _fit._loss_key(loss), num_steps, warm_steps,
-           signature, batch_sig, post[0], _fit._freeze(post[1:]), batch_size, compile_effort)
+    key = ("many", id(model), id(guide), _fit._optimizer_key(optim), _fit._loss_key(loss), signature, batch_sig,
+           post[0], _fit._freeze(post[1:]), batch_size, compile_effort)
     program = _fit._CACHE.get(key)
-    if program is None:
-        program = _fit._Program(model, guide, optim, loss, num_steps=num_steps, chunk=num_steps, stable_update=False,
+    if program is None:  # its step counts come with the data (_STEPS, _WARM_STEPS), not from these
+        program = _fit._Program(model, guide, optim, loss, num_steps=None, chunk=None, stable_update=False,
                                 rebuild=rebuild, compiler_options=_fit._compiler_options(compile_effort),
-                                owner=owner, post=post, batch_size=batch_size, warm_steps=warm_steps)
+                                owner=owner, post=post, batch_size=batch_size)
         with _fit._CACHE_LOCK:
             _fit._CACHE[key] = program
             while len(_fit._CACHE) > _fit._CACHE_SIZE:
                 _fit._CACHE.popitem(last=False)
-    return program, (arrays, {})
+    counts = {_fit._STEPS: jnp.asarray(num_steps, jnp.int32),
+              _fit._WARM_STEPS: jnp.asarray(num_steps if warm_steps is None else warm_steps, jnp.int32)}
+    return program, (arrays, counts)
 
 
 def _effort(compile_effort, arrays, fits, steps):
@@ -415,7 +419,7 @@ def kfold(model, guide, *args, k=10, obs=None, folds=None, optim=None, num_steps
                                  num_steps=num_steps, loss=loss, post=post, batch_size=batch_size or k + 1,
                                  owner=pguide, compile_effort=compile_effort)
         with _fit.explain_traced_data(model, args, kwargs, "kfold"):
-            states, losses, params, lpd = program.many(keys, data, {"_nb_train_mask": jnp.asarray(masks)})
+            states, _, _, lpd = program.many(keys, data, {"_nb_train_mask": jnp.asarray(masks)})
     _adopt(guide, pguide, setup)
     importer.join()
     from arviz_stats.utils import ELPDDataLOOKFold

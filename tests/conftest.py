@@ -5,6 +5,7 @@ Table-1 row or optax view per file), ``svi/`` (the SVI adapter and nb.BLR's beha
 (the NUTS run on breast cancer is computed once per worker); ``-m "not slow"`` is ``make test-fast``.
 """
 
+import contextlib
 import importlib.metadata
 import os
 import pathlib
@@ -70,6 +71,22 @@ def _release_compiled_programs():
 
     compile_once.cache_clear()
     jax.clear_caches()
+
+
+@contextlib.contextmanager
+def count_compiles():
+    """``{"compile": n}``: the XLA backend compilations in the block (``jax.monitoring``)."""
+    counts = {"compile": 0}
+
+    def listener(event, duration, **kwargs):
+        if event == "/jax/core/compile/backend_compile_duration":
+            counts["compile"] += 1
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        yield counts
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,6 @@ of a logistic regression (the sequential fit differs from it by the Gaussian pro
 which the stream measures and reports).
 """
 
-import contextlib
 import warnings
 
 import jax
@@ -15,13 +14,13 @@ import numpy as np
 import numpyro
 import numpyro.distributions as dist
 import pytest
-from jax import monitoring
 from numpyro import handlers
 from numpyro.infer.autoguide import AutoDelta, AutoMultivariateNormal, AutoNormal
 from numpyro.infer.util import log_density
 
 import numpyro_blr as nb
 from numpyro_blr import online
+from conftest import count_compiles
 
 
 @pytest.fixture(autouse=True)
@@ -30,22 +29,6 @@ def x64():
         yield
 
 
-BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
-
-
-@contextlib.contextmanager
-def compiles():
-    counts = {"compile": 0}
-
-    def listener(event, duration, **kwargs):
-        if event == BACKEND_COMPILE:
-            counts["compile"] += 1
-
-    monitoring.register_event_duration_secs_listener(listener)
-    try:
-        yield counts
-    finally:
-        monitoring.unregister_event_duration_listener(listener)
 
 
 # -- Bayesian linear regression: one Gaussian block, known noise ------------------------------------------
@@ -117,7 +100,7 @@ def test_stream_compiles_once_per_batch_size():
         warnings.simplefilter("ignore", RuntimeWarning)
         warnings.simplefilter("ignore", UserWarning)  # AutoNormal on a correlated posterior, k-hat from 100 draws
         for xb, yb in parts[:3] + parts[3:5] + [parts[1]]:
-            with compiles() as c:
+            with count_compiles() as c:
                 stream.update(jnp.asarray(xb), jnp.asarray(yb))
             counts.append(c["compile"])
     # batch 0: the model's own prior; batch 1: the first with a prior (size 50); batch 2: size 50 again: nothing;

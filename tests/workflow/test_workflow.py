@@ -17,6 +17,7 @@ from scipy.stats import norm
 import numpyro_blr as nb
 from numpyro_blr import workflow as wf
 from numpyro_blr.workflow import WorkflowError, _ecdf_band
+from conftest import count_compiles
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "bench"))
 import robustness_cases as rc  # noqa: E402  (the suite's eight-schools models and data)
@@ -102,6 +103,34 @@ def test_kfold_warm_start_agrees_with_cold_start_and_the_closed_form(observation
         assert abs(res.elpd - cold.elpd) < min(2 * tol, cold.se), (res.elpd, cold.elpd, tol, cold.se)
         assert abs(res.se - cold.se) < 0.05 * cold.se
         assert abs(res.p - (lp_full - exact.sum())) < 2 * tol
+
+
+@pytest.mark.slow  # about 10 s: three programs, each compiled twice
+def test_other_step_counts_run_the_same_programs(observations):
+    """The step counts are arguments of the workflow's programs: K-fold's loop of warm starts, its vectorised fits
+    from scratch, and SBC's fits run another num_steps or warm_steps without compiling, and give what a program
+    built for those counts gives (the counts are honoured: the results differ from the first counts')."""
+    from numpyro_blr import compile_once
+
+    y, folds = observations, np.arange(24) % 4
+    guide = AutoNormal(normal_mean)
+    runs = {
+        "kfold, warm starts": lambda n, w: wf.kfold(normal_mean, guide, y, k=4, folds=folds, num_steps=n, warm_steps=w,
+                                                    num_draws=200, warm_start=True).elpd_i,
+        "kfold, from scratch": lambda n, w: wf.kfold(normal_mean, guide, y, k=4, folds=folds, num_steps=n,
+                                                     num_draws=200, warm_start=False).elpd_i,
+        "sbc": lambda n, w: wf.sbc(normal_mean, guide, y[:8], num_datasets=6, num_draws=19, num_steps=n,
+                                   rng_key=jax.random.PRNGKey(3)).ranks["mu"],
+    }
+    for what, run in runs.items():
+        first = np.asarray(run(60, 30))
+        with count_compiles() as c:
+            other = np.asarray(run(25, 12))
+        assert c["compile"] == 0, what
+        compile_once.cache_clear()  # a program built for these counts
+        np.testing.assert_allclose(other, np.asarray(run(25, 12)), rtol=1e-6, err_msg=what)
+        if what != "sbc":  # ranks are coarse: 25 and 60 steps may rank alike
+            assert not np.allclose(first, other, rtol=1e-6), what
 
 
 @pytest.mark.slow
