@@ -29,8 +29,6 @@ def x64():
         yield
 
 
-
-
 # -- Bayesian linear regression: one Gaussian block, known noise ------------------------------------------
 D, SIGMA, PRIOR_SD = 4, 0.5, 2.0
 
