@@ -840,17 +840,18 @@ def _unvalidated(guide):
 
 
 class _Program:
-    """The compiled pieces of one cache entry (one model, guide, optimizer, loss, step count).
+    """The compiled pieces of one cache entry (one model, guide, optimizer, loss, capacity of steps).
 
     ``data`` is ``(arrays, extra)``: the array leaves of the call's ``(args, kwargs)`` and a dict of
-    further keyword arrays (the workflow's per-fit masks or simulated data; ``{}`` for :func:`fit`).
+    further keyword arrays: the step counts (``_STEPS``, and the workflow's ``_WARM_STEPS``), which the model does
+    not see, and the workflow's per-fit masks or simulated data.
     ``disk`` (:func:`_disk_config`'s text, :func:`fit` only) puts :meth:`run`'s programs in the disk cache
     (:meth:`_start_program`, :meth:`_later_program`); the workflow's programs (:meth:`many`, :meth:`chain`)
     are not.
     """
 
     def __init__(self, model, guide, optim, loss, *, num_steps, chunk, stable_update, rebuild, compiler_options,
-                 owner=None, post=None, batch_size=None, warm_steps=None, disk=None, capacity=None):
+                 owner=None, post=None, batch_size=None, disk=None, capacity=None):
         self.svi = SVI(model, _unvalidated(guide), optim, loss)
         self.svi.reads_its_guide = False  # the optimizer was bound to the user's guide (_bound) before the program
         self.owner = guide if owner is None else owner  # the object a guide's setup is stored in
@@ -860,7 +861,6 @@ class _Program:
         self.stable_update = stable_update
         self.rebuild = rebuild
         self.post, self.batch_size = post, batch_size
-        self.warm_steps = num_steps if warm_steps is None else warm_steps
         self.setup = _Setup()
         self.lock = threading.Lock()
         self.disk = disk  # what keys the program on disk besides its traced start (_disk_config); None: not on disk
@@ -1863,8 +1863,7 @@ def enable_compilation_cache(path=None):
     guide's setup and ``svi.init``: the model's density, which the setup evaluates with its gradient, and
     the guide; plus the loss at the start where the setup is not traced or the guide's class is not
     NumPyro's or ours): its jaxpr's text and constants' values, with the optimizer's configuration, the
-    loss's options, the program's capacity of steps,
-    ``stable_update``, the compile effort and
+    loss's options, the program's capacity of steps, ``stable_update``, the compile effort and
     XLA options, the non-array arguments, the arrays' shapes and dtypes, the versions of JAX, jaxlib,
     NumPyro and this package (and a hash of this package's source), the backend and device, and JAX's
     settings that change lowering (``jax_enable_x64``, the matmul precision, the PRNG, ...). That trace
