@@ -44,6 +44,12 @@ with no Python warning raised during the run.
             minus the Lie-group fit's ELBO (2000 particles, the same random numbers); pos/NUTS = median of each
             positive site under the fit divided by the NUTS (reference) median (min-max over its coordinates);
             ok = gap <= 1 nat and, on the regressions with an unknown noise scale, pos/NUTS within 5%.
+            A case whose seed-0 gap is over 1 nat with a finite fit is run again with LIE_SEEDS seeds (both the
+            Lie-group fit and the yardstick nb.BLR() + AutoNormal, keys 0..LIE_SEEDS-1): where the mean-field ELBO
+            has several local optima (hierarchical_scales_logistic: nb.BLR() + AutoNormal ends between -80.4 and
+            -78.4 over 12 seeds), one seed's gap says which basin each run fell into, not whether the rule reaches
+            an optimum. The case is then ok when every seed's fit is finite and the median Lie-group ELBO is within
+            1 nat of the yardstick's median; the line gives both medians and the yardstick's range.
             'silent failures' lists the runs that are not ok and raised no warning.
   expfam, von, newton, laplace, ivon, mixture: see bench/robustness_rows.py (ExpFamilyGuide + nb.BLR() against the same
             guide's Adam optimum; the Table-1 presets with AutoMultivariateNormal against nb.BLR() and ELBO*; nb.IVON
@@ -342,6 +348,8 @@ def main():
 NOISE_REGRESSIONS = ("kidiq_kidscore_momiq", "kidiq_momiq_x1e3", "earnings_logearn_height", "earnings_height_mm_offset",
                      "sblri_blr", "sblri_X1e3", "sblri_collinear", "diabetes_standardised", "diabetes_raw")
 POS_TOL = 0.05
+# seeds of the liegroup row's second look at a case whose seed-0 gap is over ELBO_TOL (a multimodal mean-field ELBO)
+LIE_SEEDS = 5
 
 
 def positive_medians(case, guide, params):
@@ -396,15 +404,30 @@ def liegroup_rows(selected, args, t_start):
         pos_ok = all(1 - POS_TOL <= lo and hi <= 1 + POS_TOL for lo, hi in pos.values()) \
             if case.name in NOISE_REGRESSIONS else True
         ok = lie.finite and gap <= ELBO_TOL and pos_ok
+        seeds_note, warned = "", list(lie.warnings)
+        if lie.finite and gap > ELBO_TOL and pos_ok:  # one seed's basin, or the rule? (module docstring)
+            lies, mfs = [e_lie], [cands[0] if cands else float("nan")]
+            for seed in range(1, LIE_SEEDS):
+                run = Run(case, nb.LieGroupGuide, nb.LieGroupBLR(), args.steps, 10, jax.random.PRNGKey(seed))
+                warned += run.warnings
+                lies.append(safe_elbo(case, run.guide, run.params[-1], ekey) if run.finite else float("nan"))
+                mf_s = Run.as_svi_run(case, AutoNormal, nb.BLR(), args.steps, 10, jax.random.PRNGKey(seed))
+                mfs.append(safe_elbo(case, mf_s.guide, mf_s.params[-1], ekey))
+            finite = int(np.sum(np.isfinite(lies)))
+            med_lie, med_mf = float(np.nanmedian(lies)), float(np.nanmedian(mfs))
+            ok = finite == LIE_SEEDS and med_mf - med_lie <= ELBO_TOL
+            seeds_note = (f" ({LIE_SEEDS} seeds, {finite} finite: median {med_lie:.2f} against nb.BLR()+AutoNormal's "
+                          f"{med_mf:.2f}, which ends in {np.nanmin(mfs):.2f}..{np.nanmax(mfs):.2f})")
         pos_s = " ".join(f"{k} {lo:.3f}" + (f"-{hi:.3f}" if hi - lo > 5e-4 else "") for k, (lo, hi) in pos.items()) or "-"
         line = (f"{case.name:27s} {d:3d} | {fmt(e_lie, '10.2f'):>10s} {fmt(gap, '8.2f'):>8s} "
                 f"{lie.t_compile + lie.t_run:5.1f} | {pos_s[:28]:28s} | " + ("yes" if ok else "no")
-                + ("" if lie.finite else " NONFINITE") + (f" [{len(lie.warnings)} warning(s)]" if lie.warnings else ""))
+                + ("" if lie.finite else " NONFINITE") + (f" [{len(warned)} warning(s)]" if warned else "")
+                + seeds_note)
         lines.append(line)
         print(line, flush=True)
         if not ok:
-            bad.append((case.name, bool(lie.warnings)))
-        for w in lie.warnings:
+            bad.append((case.name, bool(warned)))
+        for w in warned:
             print(f"    warning: {str(w.message)[:160]}")
     print()
     print(header)

@@ -380,6 +380,9 @@ class LieBlock:
 
 DEFAULT_LR = (0.5, 10.0)  # adaptive_decay(init_value, halving_steps): nb.BLR()'s default schedule
 CURVATURE_DRAWS = 8  # extra draws of the joint mean step's gradient and Hessian (LieGroupBLR(curvature_draws=...))
+# an affine scale grows by at most sqrt(2) per step (LieGroupBLR(growth_radius=...)): the bound of nb.BLR's one-sided
+# precision step, whose precision k(b) = b + (1 - b)^2 / 2 >= 1/2 of the last one at any curvature
+GROWTH_RADIUS = 0.5 * math.log(2.0)
 BACKTRACK_TRIES = 8
 # The report's drift: a loss falling by STILL_FALLING_SES standard errors and DRIFT_NATS nats while a returned location
 # moved DRIFT_SDS sds since the last block began is reported below STILL_FALLING_NATS too (float32 stochastic volatility:
@@ -669,7 +672,7 @@ def joint_shift(hess, params, grads, layout, mom, precision, rho, zs, shifts, co
 
 
 def liegroup_guide_algorithm(lr, scale_lr=None, momentum=0.0, scale_momentum=0.0, clip_radius=1.0, backtrack=True,
-                             joint_mean=None, curvature_draws=None):
+                             joint_mean=None, curvature_draws=None, growth_radius=float("inf")):
     """The Lie-group BLR over a :class:`LieGroupGuide`'s parameters, for :class:`~numpyro_blr.svi.GuideOptimizer`.
 
     ``lr``: a float, a schedule ``count -> rho`` or an :class:`~numpyro_blr.rules.schedules.adaptive_decay` (clock,
@@ -782,7 +785,7 @@ def liegroup_guide_algorithm(lr, scale_lr=None, momentum=0.0, scale_momentum=0.0
         for b in layout.blocks:
             if b.group == "affine":
                 rule = lie.AffineRule(step_lr, step_scale_lr, momentum, scale_momentum, b.metric_loc, b.metric_scale,
-                                      clip_radius)
+                                      clip_radius, growth_radius)
                 log_a = params[b.scale_param]
                 a = jnp.exp(log_a)
                 x_scale = grads[b.scale_param]
@@ -1017,6 +1020,21 @@ class LieGroupBLR(GuideOptimizer):
         :math:`\nu \le 4`: :math:`\epsilon^2` has no variance), one draw can give a huge algebra gradient, and the
         exponential map would turn it into a factor :math:`e^{-\rho X}` that takes hundreds of steps to undo; near
         the fixed point :math:`\rho X` is small and the clip is inactive (``float('inf')`` turns it off).
+    :param growth_radius: a tighter bound on the growing side of an affine scale's step, :math:`z \ge -r_g`: a scale
+        grows by at most :math:`e^{r_g}` per step (default ``GROWTH_RADIUS`` :math:`= \tfrac12\log 2`, a factor
+        :math:`\sqrt2`; ``float('inf')``: ``clip_radius`` on both sides, the rule before). That is the bound of
+        ``nb.BLR``'s one-sided precision step (Lin, Schmidt & Khan 2020): there the new precision is
+        :math:`k(b) = b + \tfrac12(1-b)^2 \ge \tfrac12` times the last at any sampled curvature, so a variance at
+        most doubles, where the exponential map :math:`A \leftarrow Ae^{-\rho X_A/c_A}` with
+        :math:`X_A = A^2\hat H_{ii} - 1` grows a scale by the clip's factor :math:`e` on every draw of strongly
+        negative curvature. Where each sampled curvature is non-negative, :math:`X_A \ge -1` and the step grows a
+        scale by at most :math:`e^{\rho/c_A}` (:math:`e^{0.25}` at the default's first step), which the bound does
+        not touch. Measured on ``hierarchical_scales_logistic`` (bench/robustness_cases.py), started where NumPyro's
+        ``init_to_median`` put seed 6 (``log_tau_zero`` 5.8, so :math:`\beta_i = e^{\log\tau_i}\tilde\beta_i` in the
+        hundreds and the logits saturated): the log-scales' scales grew from 0.1 to 20 in eight steps, the draws'
+        :math:`e^{\log\tau_i}` overflowed and 982 of 1,000 steps were skipped; ``nb.BLR()`` + ``AutoNormal`` from
+        the same start converged. With the bound the Lie-group fit converges from there too (tests/guides), and the
+        suite's other cases end where they did.
     :param joint_mean: precondition the shifts with a dense precision across the sites, tracked from the exact
         Hessian of each step's loss (:func:`joint_shift`: ``nb.BLR``'s Newton step for mean-field guides; the
         family and its fixed point are unchanged), and the affine scales' algebra gradient read off the same Hessian
@@ -1067,7 +1085,7 @@ class LieGroupBLR(GuideOptimizer):
     """
 
     def __init__(self, lr=None, scale_lr=None, momentum=0.0, scale_momentum=0.0, clip_radius=1.0, *, backtrack=True,
-                 joint_mean=None, curvature_draws=None, fallback=None, guide=None):
+                 joint_mean=None, curvature_draws=None, growth_radius=GROWTH_RADIUS, fallback=None, guide=None):
         from numpyro_blr.core import check_fraction, check_positive
         from numpyro_blr.presets import _lr
 
@@ -1096,7 +1114,8 @@ class LieGroupBLR(GuideOptimizer):
         algorithm = liegroup_guide_algorithm(schedule, scale_lr, check_fraction(momentum, "momentum"),
                                              check_fraction(scale_momentum, "scale_momentum"),
                                              check_positive(clip_radius, "clip_radius", allow_inf=True), self.backtrack,
-                                             joint_mean, self.curvature_draws)
+                                             joint_mean, self.curvature_draws,
+                                             check_positive(growth_radius, "growth_radius", allow_inf=True))
         super().__init__(algorithm, fallback=fallback, guide=guide, prefix=getattr(guide, "prefix", None))
 
     def fit_report(self, result):

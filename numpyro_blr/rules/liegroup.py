@@ -316,8 +316,10 @@ class MultiplicativeRule(NamedTuple):
 
 class AffineRule(NamedTuple):
     """Options of the affine step: ``lr`` :math:`\\rho` (shift), ``scale_lr`` :math:`\\rho_A`, their momenta, the
-    metric :math:`(c_b, c_A)` and ``clip_radius`` :math:`r`, a bound :math:`|z| \\le r` on the scale's exponent
-    (inf: none, as in the paper; the shift uses the clipped :math:`z`, so the step is still an exponential map)."""
+    metric :math:`(c_b, c_A)`, ``clip_radius`` :math:`r`, a bound :math:`|z| \\le r` on the scale's exponent
+    (inf: none, as in the paper; the shift uses the clipped :math:`z`, so the step is still an exponential map), and
+    ``growth_radius`` :math:`r_g`, a tighter bound :math:`z \\ge -r_g` on the growing side (a scale grows by at most
+    :math:`e^{r_g}` per step; inf: only :math:`r`)."""
 
     lr: Any
     scale_lr: Any
@@ -326,6 +328,7 @@ class AffineRule(NamedTuple):
     metric_loc: float = 1.0
     metric_scale: float = 2.0
     clip_radius: float = float("inf")
+    growth_radius: float = float("inf")
 
 
 class AffineGrad(NamedTuple):
@@ -373,8 +376,9 @@ def affine_direction(rule, scale, m_loc, m_scale, grad, count, with_decay=False)
     m_loc = ema(m_loc, grad.loc * (1.0 / rule.metric_loc), rule.momentum)
     m_scale = ema(m_scale, grad.scale * (1.0 / rule.metric_scale), rule.scale_momentum)
     z = value_at(rule.scale_lr, count) * m_scale
-    if rule.clip_radius != float("inf"):
-        z = jnp.clip(z, -rule.clip_radius, rule.clip_radius)
+    grow = min(rule.clip_radius, rule.growth_radius)
+    if grow != float("inf") or rule.clip_radius != float("inf"):
+        z = jnp.clip(z, -grow, rule.clip_radius)
     decay = jnp.expm1(-z)
     safe = jnp.where(z == 0, jnp.ones_like(z), z)
     phi_z = jnp.where(z == 0, jnp.ones_like(z), -decay / safe)  # phi(z), from the same expm1

@@ -260,8 +260,45 @@ def test_hierarchical_scales_do_not_diverge():
     losses = np.asarray(result.losses)
     assert warned == [] and np.all(np.isfinite(losses)) and losses[50:].max() < 1e3, (warned, losses.max())
     assert bool(result.state.optim_state[1].algorithm.draws_on)  # log_tau_i's sampled curvature went negative
-    old, warned_old = fit(nb.LieGroupBLR(curvature_draws=0))
+    # the rule before the draws, and before growth_radius too (which alone kept this start from diverging in 150 steps)
+    old, warned_old = fit(nb.LieGroupBLR(curvature_draws=0, growth_radius=float("inf")))
     assert np.nanmax(np.asarray(old.losses)) > 1e6 and warned_old, warned_old
+
+
+@pytest.mark.slow  # two fits of the 63-number model: ~10-20 s
+def test_far_start_on_log_scales_converges():
+    """hierarchical_scales_logistic started where NumPyro's init_to_median put seed 6 of the robustness bench
+    (log_tau_zero = log_tau_i = 5.8, beta_decentered +-0.5: coefficients of +-165, saturated logits, a loss of 1e5).
+    The rule before growth_radius (a scale's exponential map clipped at a factor e per step on both sides) grew
+    log_tau_i's scales from 0.1 to 20 in eight steps on draws of strongly negative curvature, the draws' exp(log_tau_i)
+    overflowed and most steps were skipped (97 of 150 here). Bounded at sqrt(2) per step, as nb.BLR's one-sided
+    precision step bounds it, the default converges from there as nb.BLR() + AutoNormal does (its loss after 150
+    steps: 88-104 over three seeds)."""
+    from numpyro.infer.initialization import init_to_value
+    from sklearn.datasets import load_breast_cancer
+
+    X, y = load_breast_cancer(return_X_y=True)
+    X = (X - X.mean(0)) / X.std(0)
+    X = np.concatenate([np.ones((X.shape[0], 1)), X], axis=1)
+    d = X.shape[1]
+    far = {"log_tau_zero": 5.8, "log_tau_i": np.full(d, 5.8), "beta_decentered": 0.5 * (-1.0) ** np.arange(d)}
+
+    def fit(optim):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            guide = nb.LieGroupGuide(_scales_model, init_loc_fn=init_to_value(values=far))
+            result = SVI(_scales_model, guide, optim, nb.Trace_ELBO()).run(jax.random.PRNGKey(0), 150, X, y,
+                                                                            progress_bar=False)
+        return np.asarray(result.losses), [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)
+                                           and ("diverged" in str(w.message) or "skipped" in str(w.message))]
+
+    losses, warned = fit(nb.LieGroupBLR())
+    assert losses[0] > 1e5  # the start is far
+    assert warned == [] and np.all(np.isfinite(losses)) and np.median(losses[-20:]) < 150, (warned, losses[-20:])
+    before, warned_before = fit(nb.LieGroupBLR(growth_radius=float("inf")))
+    assert warned_before and not np.median(before[-20:]) < 150, (warned_before, before[-20:])
+    with pytest.raises(ValueError, match="growth_radius must be > 0"):
+        nb.LieGroupBLR(growth_radius=0.0)
 
 
 @pytest.mark.slow  # two short fits: ~3-6 s
