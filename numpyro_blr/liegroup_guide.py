@@ -1033,8 +1033,9 @@ class LieGroupBLR(GuideOptimizer):
         ``init_to_median`` put seed 6 (``log_tau_zero`` 5.8, so :math:`\beta_i = e^{\log\tau_i}\tilde\beta_i` in the
         hundreds and the logits saturated): the log-scales' scales grew (the largest from 0.1 to 22 in 13 steps),
         the draws' :math:`e^{\log\tau_i}` overflowed and 982 of 1,000 steps were skipped; ``nb.BLR()`` +
-        ``AutoNormal`` from the same start converged. With the bound the Lie-group fit converges from there too (tests/guides), and the
-        suite's other cases end where they did.
+        ``AutoNormal`` from the same start converged. With the bound the Lie-group fit converges from there too
+        (tests/guides); of the robustness suite's other cases, the two above ``JOINT_MAX_DIM`` numbers no longer
+        diverge and the rest end where they did (docs/lie-group.md).
     :param joint_mean: precondition the shifts with a dense precision across the sites, tracked from the exact
         Hessian of each step's loss (:func:`joint_shift`: ``nb.BLR``'s Newton step for mean-field guides; the
         family and its fixed point are unchanged), and the affine scales' algebra gradient read off the same Hessian
