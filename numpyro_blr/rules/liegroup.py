@@ -376,8 +376,8 @@ def affine_direction(rule, scale, m_loc, m_scale, grad, count, with_decay=False)
     m_loc = ema(m_loc, grad.loc * (1.0 / rule.metric_loc), rule.momentum)
     m_scale = ema(m_scale, grad.scale * (1.0 / rule.metric_scale), rule.scale_momentum)
     z = value_at(rule.scale_lr, count) * m_scale
-    grow = min(rule.clip_radius, rule.growth_radius)
-    if grow != float("inf") or rule.clip_radius != float("inf"):
+    grow = min(rule.clip_radius, rule.growth_radius)  # finite whenever clip_radius is
+    if grow != float("inf"):
         z = jnp.clip(z, -grow, rule.clip_radius)
     decay = jnp.expm1(-z)
     safe = jnp.where(z == 0, jnp.ones_like(z), z)
