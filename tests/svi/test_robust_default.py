@@ -178,7 +178,11 @@ def test_correlations_beyond_the_dtype_are_reported(guide_cls, scale):
     threshold = nb.report.ILL_CONDITIONED / np.finfo(np.float32).eps  # the report's own criterion, 8.4e6
     assert list(report.ill_conditioned) == [scale] and report.ill_conditioned[scale] > threshold
     assert any("ill-conditioned for float32" in m and scale in m and "enable_x64" in m for m in messages), messages
-    assert all("ill-conditioned" in m for m in messages), messages  # the only sign of the failure
+    # Whether the float32 run shows anything else depends on the host's float32 arithmetic: on the CPUs of earlier
+    # CI machines this warning was the only sign of the failure; on a Xeon with AVX-512 FP16 and AMX (2026-11-28)
+    # the same run's loss also jumps (AutoMultivariateNormal: 310 -> 4,198 at step 140, reported as a divergence;
+    # AutoNormal: still falling at step 200). Those two are true of the run, so they are allowed, not required.
+    assert all(any(k in m for k in ("ill-conditioned", "diverged", "not converged")) for m in messages), messages
     with jax.enable_x64(True):
         result, messages = _run(model, guide_cls(model), nb.BLR(), 200, jnp.asarray(X), jnp.asarray(y))
     assert nb.fit_report(result).ill_conditioned == {}
