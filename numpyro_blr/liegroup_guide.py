@@ -526,9 +526,9 @@ def _shift_size(params, layout):
     return sum(int(np.prod(jnp.shape(params[b.loc_param]))) for b in _shift_blocks(layout))
 
 
-def shift_hessian(fn, params, layout):
-    """The exact Hessian of this step's loss (the draw fixed) in the flattened shifts of the affine and additive
-    sites (forward over reverse mode), symmetrised."""
+def _flat_shift_loss(fn, params, layout):
+    """``(loss_of, flat0)``: this step's loss (the draw fixed) as a function of the affine and additive sites' locs
+    flattened into one vector, and that vector now."""
     blocks = _shift_blocks(layout)
     shapes = [jnp.shape(params[b.loc_param]) for b in blocks]
     sizes = [int(np.prod(sh)) for sh in shapes]
@@ -541,6 +541,13 @@ def shift_hessian(fn, params, layout):
             start += n
         return fn(p)[0]
 
+    return loss_of, flat0
+
+
+def shift_hessian(fn, params, layout):
+    """The exact Hessian of this step's loss (the draw fixed) in the flattened shifts of the affine and additive
+    sites (forward over reverse mode), symmetrised."""
+    loss_of, flat0 = _flat_shift_loss(fn, params, layout)
     hess = jax.jacfwd(jax.grad(loss_of))(flat0)
     return 0.5 * (hess + hess.T)
 
@@ -564,22 +571,14 @@ def whitened_hessian_diagonals(fn, params, layout, key):
     estimator, probed in the same whitened coordinates. The additive blocks are not probed (no scale to step)."""
     blocks = _shift_blocks(layout)
     shapes = [jnp.shape(params[b.loc_param]) for b in blocks]
-    sizes = [int(np.prod(sh)) for sh in shapes]
-    flat0 = jnp.concatenate([params[b.loc_param].reshape(-1) for b in blocks])
+    loss_of, flat0 = _flat_shift_loss(fn, params, layout)
     scale = jnp.concatenate([jnp.broadcast_to(jnp.exp(params[b.scale_param]) if b.group == "affine" else 0.0, sh).reshape(-1)
                              for b, sh in zip(blocks, shapes)]).astype(flat0.dtype)
-
-    def loss_of(flat):
-        p, start = dict(params), 0
-        for b, sh, n in zip(blocks, shapes, sizes):
-            p[b.loc_param] = flat[start:start + n].reshape(sh).astype(params[b.loc_param].dtype)
-            start += n
-        return fn(p)[0]
-
     probe = scale * jax.random.rademacher(key, flat0.shape, flat0.dtype)
     estimate = probe * jax.jvp(jax.grad(loss_of), (flat0,), (probe,))[1]
     out, start = {}, 0
-    for b, sh, n in zip(blocks, shapes, sizes):
+    for b, sh in zip(blocks, shapes):
+        n = int(np.prod(sh))
         if b.group == "affine":
             out[b.loc_param] = estimate[start:start + n].reshape(sh)
         start += n
