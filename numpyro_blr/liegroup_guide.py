@@ -69,6 +69,8 @@ from numpyro.distributions.util import periodic_repeat
 from numpyro.optim import _value_and_grad
 
 from numpyro_blr.compile_once import transformed_with_intermediates
+from numpyro_blr.estimators.svi import (loss_gradients_and_products, hutchinson_diagonal, probe_directions,
+                                         probe_product)
 from numpyro_blr.families.registry import base_support
 from numpyro_blr.layout import GuideLayoutError, Layout
 from numpyro_blr.rules import liegroup as lie
@@ -562,31 +564,40 @@ def hessian_diagonals(hess, params, layout):
     return out
 
 
-def whitened_hessian_diagonals(fn, params, layout, key):
-    r"""``{loc name: estimate of diag(A H A)}`` for the affine shift blocks, from one Rademacher probe (Hutchinson):
-    :math:`r \odot A \odot H(A r)`, :math:`H` the Hessian of this step's loss in the shifts (the draw fixed), :math:`A`
-    the blocks' scales, one forward-over-reverse Hessian-vector product. Unbiased for :math:`(AHA)_{ii} = A_i^2
-    H_{ii}`, whose expectation under :math:`q` is the scale's algebra gradient plus one by Stein's lemma
-    (:math:`\mathbb E[A\epsilon U'(z)] = \mathbb E[A^2 U''(z)]`, Gaussian :math:`q_0`): ``nb.BLR``'s ``"hutchinson"``
-    estimator, probed in the same whitened coordinates. The additive blocks are not probed (no scale to step)."""
-    blocks = _shift_blocks(layout)
-    shapes = [jnp.shape(params[b.loc_param]) for b in blocks]
-    loss_of, flat0 = _flat_shift_loss(fn, params, layout)
-    scale = jnp.concatenate([jnp.broadcast_to(jnp.exp(params[b.scale_param]) if b.group == "affine" else 0.0, sh).reshape(-1)
-                             for b, sh in zip(blocks, shapes)]).astype(flat0.dtype)
-    probe = scale * jax.random.rademacher(key, flat0.shape, flat0.dtype)
-    estimate = probe * jax.jvp(jax.grad(loss_of), (flat0,), (probe,))[1]
-    out, start = {}, 0
-    for b, sh in zip(blocks, shapes):
-        n = int(np.prod(sh))
-        if b.group == "affine":
-            out[b.loc_param] = estimate[start:start + n].reshape(sh)
-        start += n
-    return out
+class _ProbedSite(NamedTuple):
+    """An affine shift block as :func:`~numpyro_blr.estimators.svi.probe_directions` reads it: one site, one probe."""
+
+    loc: str
+    segments: tuple = ()
+
+
+def probed_loss_and_diagonals(fn, params, layout, key, forward_mode=False):
+    r"""``((loss, aux), grads, {loc name: estimate of diag(A H A)})`` for the affine shift blocks, in one
+    forward-over-reverse pass: :math:`H` the Hessian of this step's loss in the shifts (the draw fixed), :math:`A`
+    the blocks' scales. ``nb.BLR``'s ``"hutchinson"`` estimator (:func:`~numpyro_blr.estimators.svi.probe_directions`,
+    :func:`~numpyro_blr.estimators.svi.hutchinson_diagonal`), probed in the same whitened coordinates: each site its
+    own Rademacher probe :math:`A\odot r` (up to ``MAX_PROBES``), so that a global scalar's estimate is free of its
+    coupling to the other sites, and :math:`A^2\,\hat H_{ii} = r_i A_i (H A r)_i`, unbiased for
+    :math:`(AHA)_{ii} = A_i^2 H_{ii}`, whose expectation under :math:`q` is the scale's algebra gradient plus one by
+    Stein's lemma (:math:`\mathbb E[A\epsilon U'(z)] = \mathbb E[A^2 U''(z)]`, Gaussian :math:`q_0`). The additive
+    blocks are not probed (no scale to step). ``key`` must not depend on this step's draw."""
+    affine = [b for b in _shift_blocks(layout) if b.group == "affine"]
+    if not affine:
+        return (*_value_and_grad(fn, x=params, forward_mode_differentiation=forward_mode), {})
+    signs, scales = {}, {}
+    for b, k in zip(affine, jax.random.split(key, len(affine))):
+        loc = params[b.loc_param]
+        signs[b.loc_param] = jax.random.rademacher(k, jnp.shape(loc), jnp.result_type(loc))
+        scales[b.loc_param] = jnp.broadcast_to(jnp.exp(params[b.scale_param]), jnp.shape(loc)).astype(jnp.result_type(loc))
+    tangents, row = probe_directions([_ProbedSite(b.loc_param) for b in affine], scales, signs)
+    out, grads, products = loss_gradients_and_products(fn, params, tangents, forward_mode)
+    diagonals = {n: scales[n] * scales[n] * hutchinson_diagonal(scales[n], signs[n], probe_product(products[n], row[n]))
+                 for n in signs}
+    return out, grads, diagonals
 
 
 DRAW_SEED = 0x11E6  # the extra draws' key: PRNGKey(DRAW_SEED) folded with the step count and the step's sampled loss
-PROBE_SEED = 0x11E7  # the diagonal step's Hutchinson probe: PRNGKey(PROBE_SEED), folded in the same way
+PROBE_SEED = 0x11E7  # the diagonal step's Hutchinson probes: PRNGKey(PROBE_SEED) folded with the step count and the shifts
 POINT_LOG_SCALE = 60.0  # the scale shrunk by e^-60 puts this step's draw at the loc (below rounding)
 
 
@@ -789,7 +800,17 @@ def liegroup_guide_algorithm(lr, scale_lr=None, momentum=0.0, scale_momentum=0.0
                                    {n: params[n] for n in names})
 
     def step(fn, params, s, layout, i, forward_mode):
-        (loss, aux), grads = _value_and_grad(fn, x=params, forward_mode_differentiation=forward_mode)
+        use_joint = joint(params, layout)
+        white_diag, diag_control = {}, {}
+        if diagonal_estimator(params, layout) and not use_joint:  # the diagonal step (docstring, "the diagonal step")
+            # the probes' key: folded with the step count and the bits of the shifts' sum, which follow the run's
+            # rng_key from the first step on; independent of this step's draw, as a Hutchinson probe must be
+            shifts_sum = sum(jnp.sum(params[b.loc_param]) for b in _shift_blocks(layout))
+            probe_key = jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(PROBE_SEED), s.count),
+                                           lax.bitcast_convert_type(jnp.asarray(shifts_sum, jnp.float32), jnp.uint32))
+            (loss, aux), grads, white_diag = probed_loss_and_diagonals(fn, params, layout, probe_key, forward_mode)
+        else:
+            (loss, aux), grads = _value_and_grad(fn, x=params, forward_mode_differentiation=forward_mode)
         dtype = s.trace.clock.dtype
         if adaptive:  # nb.BLR's schedule: rho_0 / sqrt(1 + c/tau) with averaging, on the noise clock c
             rho = jnp.asarray(lr.iterate(s.trace.clock) if averaging else lr(s.trace.clock), dtype)
@@ -799,7 +820,6 @@ def liegroup_guide_algorithm(lr, scale_lr=None, momentum=0.0, scale_momentum=0.0
             rho = jnp.asarray(value_at(lr, s.count), dtype)
         new_params, mom, checked = dict(params), dict(s.momentum), {}
         direction, whitened, shifts, zs = {}, {}, {}, {}
-        use_joint = joint(params, layout)
         hess = shift_hessian(fn, params, layout) if use_joint else None
         k_draws = curvature_draws if use_joint and all(b.group == "affine" for b in _shift_blocks(layout)) else 0
         step_grads, extra_offset, draws_on = grads, None, s.draws_on
@@ -830,12 +850,6 @@ def liegroup_guide_algorithm(lr, scale_lr=None, momentum=0.0, scale_momentum=0.0
                 start += n
             inv_count = (1.0 / count).astype(hess.dtype)
         hess_diag = hessian_diagonals(hess, params, layout) if use_joint else {}
-        white_diag, diag_control = {}, {}
-        use_probe = diagonal_estimator(params, layout) and not use_joint
-        if use_probe:  # the diagonal step's curvature (LieGroupBLR's docstring, "the diagonal step")
-            probe_key = jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(PROBE_SEED), s.count),
-                                           lax.bitcast_convert_type(jnp.asarray(loss, jnp.float32), jnp.uint32))
-            white_diag = whitened_hessian_diagonals(fn, params, layout, probe_key)
         for b in layout.blocks:
             if b.group == "affine":
                 rule = lie.AffineRule(step_lr, step_scale_lr, momentum, scale_momentum, b.metric_loc, b.metric_scale,
@@ -1107,9 +1121,10 @@ class LieGroupBLR(GuideOptimizer):
         **The diagonal step** (default ``lr`` and Gaussian :math:`q_0`, where the joint step is off: above
         ``JOINT_MAX_DIM`` numbers, or ``joint_mean=False``) takes ``nb.BLR``'s mean-field estimator
         (``hessian="hutchinson"``) instead of the draw's reparameterisation gradients: the scale's algebra gradient
-        is :math:`X_A = r_i A_i (H A r)_i - 1` from one Rademacher probe :math:`r` of this step's Hessian in the shifts
-        (:func:`whitened_hessian_diagonals`, one Hessian-vector product; unbiased for :math:`A^2 H_{ii} - 1`, Stein's
-        identity as above; the probe's key ``PRNGKey(PROBE_SEED)`` folded as the extra draws'), and the shift's
+        is :math:`X_A = r_i A_i (H A r)_i - 1` from a Rademacher probe :math:`r` of this step's Hessian in the shifts
+        (:func:`probed_loss_and_diagonals`: ``nb.BLR``'s probes, one per site up to 16, read off the pass that gives
+        the loss and its gradients; unbiased for :math:`A^2 H_{ii} - 1`, Stein's identity as above; the probes' key
+        ``PRNGKey(PROBE_SEED)`` folded with the step count and the shifts), and the shift's
         gradient subtracts the control variate :math:`A^{-2}(z - b)` (mean zero under :math:`q`; the draw's offset
         read off the gradients, :func:`_draw_offset`), which backtracking accounts for as the joint step's does.
         At the fixed point (:math:`A^2 H = 1` on a Gaussian posterior) the shift's noise then vanishes, as the
@@ -1117,7 +1132,7 @@ class LieGroupBLR(GuideOptimizer):
         numbers, ``varying_intercepts_300`` and ``hierarchical_logistic_400``, ended 1.05-1.10 and 1.25-6.86 nats
         short of ``nb.BLR()`` + ``AutoNormal`` (warned), or diverged; they now end within 0.05 nats of it in
         float64 and float32, their loss flat from step 200 as the yardstick's. With momentum the control variate
-        is left out (as in the joint step). Cost: one Hessian-vector product per step.
+        is left out (as in the joint step). Cost: the gradient pass carries a tangent per probe.
     :param curvature_draws: with the joint mean step (affine sites only), the number :math:`k` of extra draws of the
         guide at which the shifts' gradient and Hessian are read and averaged with this step's own (default
         ``None``: ``CURVATURE_DRAWS`` = 8; 0: the one-draw estimate of the rule before), from the step after the first

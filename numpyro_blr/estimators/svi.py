@@ -354,7 +354,7 @@ def finite_or_zero(x):
     return jnp.where(jnp.all(jnp.isfinite(x)), x, jnp.zeros_like(x))
 
 
-def _probe_products(fn, params, tangents, forward_mode):
+def loss_gradients_and_products(fn, params, tangents, forward_mode):
     """``((loss, aux), grads, hv)``: the loss, its gradients, and the products of their Jacobian w.r.t. the locs of
     ``tangents`` (``{loc: (P, ...)}``, P probe directions) with each direction, ``hv`` ``{loc: (P, ...)}``: one
     forward-over-reverse pass, batched over the directions (the loss and its gradients do not depend on them, so
@@ -559,9 +559,9 @@ def estimate(fn, params, layout, hessian="reparam", delta=False, forward_mode=Fa
         scaled = tuple(exact) if (not delta and control_variate) else ()
         (loss, aux), grads, hess, column = _grad_and_loc_hessian(fn, eval_params, names, forward_mode, scaled)
         if probed:  # the probes' products are a pass of their own
-            hv = _probe_products(fn, eval_params, tangents, forward_mode)[2]
+            hv = loss_gradients_and_products(fn, eval_params, tangents, forward_mode)[2]
     elif probed:  # one forward-over-reverse pass gives the loss, its gradients and the probes' products
-        (loss, aux), grads, hv = _probe_products(fn, eval_params, tangents, forward_mode)
+        (loss, aux), grads, hv = loss_gradients_and_products(fn, eval_params, tangents, forward_mode)
     else:
         (loss, aux), grads = _value_and_grad(fn, eval_params, forward_mode)
     if probed:

@@ -299,6 +299,50 @@ def test_joint_step_reads_the_curvature_at_fresh_draws():
         nb.LieGroupBLR(curvature_draws=True)
 
 
+@pytest.mark.slow  # four small programs: ~5 s
+def test_diagonal_step_probes_each_site_as_nb_blr_does():
+    """The diagonal step's curvature (``probed_loss_and_diagonals``) is nb.BLR's Hutchinson estimator in the whitened
+    shifts: one pass gives the loss and gradients of the plain gradient pass, and the estimates of diag(A H A), each
+    site probed on its own. A scalar site's estimate is then exactly A^2 H_ii (its probe's sign squares to one and
+    no other site's coordinate moves); a vector site's is unbiased: its mean over probes is A^2 H_ii within the
+    Monte Carlo error, H from the exact Hessian of the same loss (``shift_hessian``)."""
+    from numpyro.infer.svi import _make_loss_fn
+    from numpyro.optim import _value_and_grad
+
+    from numpyro_blr.liegroup_guide import _shift_blocks, hessian_diagonals, probed_loss_and_diagonals, shift_hessian
+
+    rng = np.random.default_rng(0)
+    X = rng.standard_normal((20, 3))
+    y = (X[:, 0] - X[:, 1] + rng.standard_normal(20) > 0).astype(float)
+    guide = nb.LieGroupGuide(_scales_model)
+    optim = nb.LieGroupBLR()
+    svi = SVI(_scales_model, guide, optim, Trace_ELBO())
+    params = svi.init(jax.random.PRNGKey(0), X, y).optim_state[1].params
+    layout = optim.layout(params)
+    fn = _make_loss_fn(Trace_ELBO(), jax.random.PRNGKey(1), svi.constrain_fn, _scales_model, guide, (X, y), {}, {})
+    keys = jax.random.split(jax.random.PRNGKey(2), 4000)
+    with jax.default_matmul_precision("highest"):
+        (loss, _), grads, diag = jax.jit(lambda p, k: probed_loss_and_diagonals(fn, p, layout, k))(params, keys[0])
+        (loss_ref, _), grads_ref = jax.jit(lambda p: _value_and_grad(fn, x=p, forward_mode_differentiation=False))(params)
+        many = jax.jit(jax.vmap(lambda k: probed_loss_and_diagonals(fn, params, layout, k)[2]))(keys)
+        hess_diag = jax.jit(lambda p: hessian_diagonals(shift_hessian(fn, p, layout), p, layout))(params)
+    tol = dict(rtol=1e-5, atol=1e-5)  # float32 (the test suite's precision)
+    np.testing.assert_allclose(loss, loss_ref, **tol)
+    for n in grads_ref:
+        np.testing.assert_allclose(grads[n], grads_ref[n], **tol)
+    blocks = [b for b in _shift_blocks(layout) if b.group == "affine"]
+    assert sorted(diag) == sorted(b.loc_param for b in blocks) and len(blocks) == 3
+    for b in blocks:
+        exact = np.asarray(np.exp(params[b.scale_param]) ** 2 * hess_diag[b.loc_param])
+        draws = np.asarray(many[b.loc_param])
+        if np.ndim(exact) == 0:  # a probe of its own: exact
+            np.testing.assert_allclose(draws, np.broadcast_to(exact, draws.shape), rtol=1e-4, atol=1e-6)
+        else:  # the coupling between the site's coordinates is the noise: mean within 4 standard errors
+            assert draws.std(0).max() > 0, b.site
+            se = draws.std(0) / math.sqrt(draws.shape[0])
+            assert np.all(np.abs(draws.mean(0) - exact) <= 4 * se + 1e-6), (b.site, draws.mean(0), exact, se)
+
+
 @pytest.mark.slow  # two fits of the 63-number model: ~10-30 s
 def test_hierarchical_scales_do_not_diverge():
     """hierarchical_scales_logistic (breast cancer, 63 numbers), 150 steps of the default: the loss stays bounded, no
