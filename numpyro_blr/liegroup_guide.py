@@ -64,7 +64,7 @@ from jax import lax
 from numpyro.distributions import constraints
 from numpyro.distributions.transforms import AffineTransform, biject_to
 from numpyro.infer.autoguide import AutoGuide
-from numpyro.infer.initialization import init_to_median
+from numpyro.infer.initialization import init_to_uniform
 from numpyro.distributions.util import periodic_repeat
 from numpyro.optim import _value_and_grad
 
@@ -122,11 +122,12 @@ class LieGroupGuide(AutoGuide):
         :class:`~numpyro_blr.rules.liegroup.Rayleigh` (1); the shape of :math:`\theta/\mathbb E\theta` is
         :math:`q_0`'s: ``dist.Gamma(k)`` gives coefficient of variation :math:`1/\sqrt k`).
     :param groups: ``{site: group}`` overrides.
-    :param init_loc_fn: where the sites' means start (default ``init_to_median``; NumPyro's Gaussian autoguides use
-        ``init_to_uniform``). On a latent random walk whose scale has a small prior median (the robustness suite's
-        ``stochastic_volatility``) the median start is slow: a small walk scale and small scales of the walk's values
-        hold each other, and 1,000 steps end 1.3 nats short where ``init_to_uniform`` ends at the optimum (as does
-        ``nb.BLR()`` + ``AutoNormal`` from each of the two starts; docs/lie-group.md).
+    :param init_loc_fn: where the sites' means start (default ``init_to_uniform``, as NumPyro's Gaussian
+        autoguides). ``init_to_median`` can be slow: on a latent random walk whose scale has a small prior median (the
+        robustness suite's ``stochastic_volatility``) a small walk scale and small scales of the walk's values hold
+        each other there, and 1,000 steps from it ended 1.3 nats short in float32, as did ``nb.BLR()`` +
+        ``AutoNormal(init_loc_fn=init_to_median)``; from ``init_to_uniform`` both end at the optimum
+        (docs/lie-group.md).
     :param init_scale: the initial standard deviation of the affine sites (unconstrained), a float or
         ``{site: float}``, strictly positive: :math:`A_0` = ``init_scale`` / sd(:math:`q_0`) (or ``init_scale``
         when :math:`q_0` has no finite variance).
@@ -135,7 +136,7 @@ class LieGroupGuide(AutoGuide):
     :param prefix: parameter names are ``{site}_{prefix}_loc`` / ``{site}_{prefix}_scale``.
     """
 
-    def __init__(self, model, *, group="affine", base=None, positive_base=None, groups=None, init_loc_fn=init_to_median,
+    def __init__(self, model, *, group="affine", base=None, positive_base=None, groups=None, init_loc_fn=init_to_uniform,
                  init_scale=0.1, metric="fisher", prefix="lie", create_plates=None):
         if group not in GUIDE_GROUPS:
             raise ValueError(f"group must be one of {GUIDE_GROUPS}, got {group!r}.")

@@ -67,6 +67,14 @@ def test_defaults_reach_the_mean_field_optimum():
     assert abs(ratio - 1) < 0.05, ratio
 
 
+def test_default_start_is_numpyros_autoguide_start():
+    """The guide starts where NumPyro's Gaussian autoguides (and nb.BLR() + AutoNormal, the yardstick of its
+    robustness row) start: init_to_uniform. It started at init_to_median before, from which a latent random walk
+    with a small prior scale (bench/robustness_cases.py's stochastic_volatility) ended 1.3 nats short in float32;
+    docs/lie-group.md has the robustness row of each start."""
+    assert nb.LieGroupGuide(_model).init_loc_fn is AutoNormal(_model).init_loc_fn is init_to_uniform
+
+
 @pytest.mark.slow  # three 400-step fits of a 3-number model: ~10-20 s
 def test_predictor_in_the_hundred_thousands_in_float32():
     """The regression above with its predictor times 1e3 (x ~ 1e5, as robustness case ``kidiq_momiq_x1e3``), in the
