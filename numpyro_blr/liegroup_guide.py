@@ -75,9 +75,9 @@ from numpyro_blr.families.registry import base_support
 from numpyro_blr.layout import GuideLayoutError, Layout
 from numpyro_blr.rules import liegroup as lie
 from numpyro_blr.core import backtracking_factor, value_at
-from numpyro_blr.report import (CLIP_SDS, COLLAPSE_EPS, DAMPED_FRACTION, MIN_STEPS, MOVED_SDS,
+from numpyro_blr.report import (CLIP_SDS, DAMPED_FRACTION, MIN_STEPS, MOVED_SDS,
                                  STILL_FALLING_ALONE_NATS, STILL_FALLING_MIN, STILL_FALLING_SES, FitTrace, _is_falling,
-                                 empty_loss_blocks, evidence_report, is_block_end, next_trace)
+                                 collapsed_sd, empty_loss_blocks, evidence_report, is_block_end, next_trace)
 from numpyro_blr.rules.schedules import adaptive_decay
 from numpyro_blr.svi import GuideAlgorithm, GuideOptimizer, GuideStep
 
@@ -1036,9 +1036,8 @@ def liegroup_fit_report(result, optimizer):
         if b.scale_param is None:
             continue
         log_scale = np.asarray(params[b.scale_param], dtype=float)
-        eps = np.finfo(np.asarray(params[b.scale_param]).dtype).eps
-        ref = np.abs(np.asarray(params[b.loc_param], dtype=float)) if b.loc_param else 0.0
-        if np.any(np.exp(log_scale) < COLLAPSE_EPS * eps * np.maximum(1.0, ref)):
+        mean = np.asarray(params[b.loc_param], dtype=float) if b.loc_param else 1.0
+        if np.any(collapsed_sd(np.exp(log_scale), mean, np.asarray(params[b.scale_param]).dtype)):
             collapsed.append(b.site)
     if collapsed and not rep.diverged:
         problems.append(

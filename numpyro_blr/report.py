@@ -17,7 +17,7 @@ parameters (and, with the guide, the sites) concerned and the one change that fi
   to step (``FitTrace.persistence`` above ``UNCONVERGED_PERSISTENCE``; Monte Carlo noise gives
   0 +- 0.16) while its geometric average is above ``UNCONVERGED_SDS``;
 * **collapsed variance**: a standard deviation at the rounding level of its mean
-  (below ``COLLAPSE_EPS`` machine epsilons times :math:`\max(1, |m|)`);
+  (below ``COLLAPSE_EPS`` machine epsilons times :math:`|m|`: :func:`collapsed_sd`);
 * **unbounded variance**: a standard deviation above ``DIFFUSE_SD`` times :math:`\max(1, |m|)`: no term of the
   model's density depends on the coordinate (its curvature is 0, so the precision decays by :math:`1-\rho` per
   step and the entropy term lowers the loss without end), as in the entries at observed rows of the
@@ -174,6 +174,24 @@ class FitTrace(NamedTuple):
 
 
 BLOCK_START = 16  # the first step count at which a block of losses ends (loss_blocks)
+
+
+def collapse_floor(dtype):
+    r"""The smallest :math:`|m|` the collapsed-variance check (:func:`collapsed_sd`) measures a standard deviation
+    against: the square root of the dtype's smallest normal number (1.1e-19 in float32), so that a mean at zero does
+    not hide a variance that collapses without end."""
+    return float(np.sqrt(np.finfo(dtype).tiny))
+
+
+def collapsed_sd(sd, mean, dtype):
+    r"""Where a guide's standard deviation is at the rounding level of its mean, :math:`s <` ``COLLAPSE_EPS``
+    :math:`\epsilon\max(|m|, f)` (:math:`\epsilon` the dtype's machine epsilon, :math:`f` = :func:`collapse_floor`):
+    the guide can no longer represent the spread (or the posterior there is degenerate). The check of ``nb.BLR``,
+    ``nb.LieGroupBLR`` and ``nb.IVON`` under SVI. It used :math:`\max(1, |m|)` before: a posterior sd of 1e-6 about a
+    mean of 1e-3 (a coefficient of a predictor in the thousands, the robustness suite's float32 ``sblri_X1e3``) was
+    reported as collapsed, though the mean's rounding level there is 1.2e-10."""
+    return np.asarray(sd) < COLLAPSE_EPS * np.finfo(dtype).eps * np.maximum(np.abs(np.asarray(mean, float)),
+                                                                              collapse_floor(dtype))
 
 
 def empty_loss_blocks(dtype):
@@ -630,8 +648,7 @@ def evidence_report(result, optimizer=None, guide=None):
         m = np.asarray(s.params[b.loc])
         scale = np.asarray(apply_transform(b, s.params[b.scale]))
         marginal_sd = scale if b.kind == DIAGONAL else np.sqrt(np.sum(scale**2, axis=-1))
-        eps = np.finfo(m.dtype).eps
-        small = marginal_sd < COLLAPSE_EPS * eps * np.maximum(1.0, np.abs(m))
+        small = collapsed_sd(marginal_sd, m, m.dtype)
         if np.any(small):
             collapsed.append(b.scale)
         wide = marginal_sd > DIFFUSE_SD * np.maximum(1.0, np.abs(m))

@@ -75,7 +75,6 @@ from numpyro_blr.layout import DIAGONAL, GuideLayoutError
 from numpyro_blr.presets import ivon
 from numpyro_blr.optim import BLR
 from numpyro_blr.report import (
-    COLLAPSE_EPS,
     CONDITION_MAX_DIM,
     MIN_STEPS,
     UNCONVERGED_PERSISTENCE,
@@ -84,6 +83,7 @@ from numpyro_blr.report import (
     LossTrace,
     _by_site,
     _moved_sites,
+    collapsed_sd,
     is_block_end,
     empty_loss_blocks,
     init_loss_trace,
@@ -481,7 +481,7 @@ def default_report(state, optimizer):
     for b in getattr(layout, "blocks", ()):  # nb.BLR's test: a standard deviation at the rounding level of its mean
         m = np.asarray(s.params[b.loc])
         sd = np.asarray(b.transform(s.params[b.scale]))
-        if np.any(sd < COLLAPSE_EPS * np.finfo(m.dtype).eps * np.maximum(1.0, np.abs(m))):
+        if np.any(collapsed_sd(sd, m, m.dtype)):
             collapsed.append(b.scale)
     if collapsed:
         problems.append((("collapsed",) + tuple(collapsed),

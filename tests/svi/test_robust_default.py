@@ -147,6 +147,37 @@ def test_collapsed_variance_is_reported():
     assert any("collapsed" in m and "x_auto_scale" in m for m in messages), messages
 
 
+def _needle_at(mean, sd):
+    def needle():
+        x = numpyro.sample("x", dist.Normal(0.0, 1.0))
+        numpyro.factor("needle", -0.5 * ((x - mean) / sd) ** 2)
+
+    return needle
+
+
+@pytest.mark.slow  # two 30-step fits per guide: ~2-3 s
+@pytest.mark.parametrize("guide_cls, optim, name", [(AutoNormal, nb.BLR, "nb.BLR"),
+                                                    (nb.LieGroupGuide, nb.LieGroupBLR, "nb.LieGroupBLR")],
+                         ids=["BLR", "LieGroupBLR"])
+def test_a_small_sd_about_a_small_mean_is_not_a_collapse(guide_cls, optim, name):
+    """The collapse check measures an sd against its mean's rounding level, not against 1: an sd of 5e-7 about a
+    mean of 1e-3 (float32: the mean's rounding level is 1.2e-10; a coefficient of a predictor in the thousands, the
+    robustness suite's sblri_X1e3) is a resolved posterior, and was reported as collapsed (the threshold was
+    10 eps max(1, |m|) = 1.2e-6). An sd of 1e-11 about the same mean is below that level, and is reported."""
+    for sd, collapsed in ((5e-7, False), (1e-11, True)):
+        model = _needle_at(1e-3, sd)
+        guide = guide_cls(model, init_loc_fn=init_to_value(values={"x": 1e-3}))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            result = SVI(model, guide, optim(), Trace_ELBO()).run(jax.random.PRNGKey(0), 30, progress_bar=False)
+        messages = [str(w.message) for w in caught if name in str(w.message)]
+        scale = float(np.asarray(result.params[[k for k in result.params if k.endswith("_scale")][0]]))
+        if collapsed:
+            assert scale < 1e-8 and any("collapsed" in m for m in messages), (sd, scale, messages)
+        else:  # the fit reached the posterior's sd, and nothing is reported
+            assert abs(scale / sd - 1) < 0.05 and messages == [], (sd, scale, messages)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("guide_cls, scale", [(AutoMultivariateNormal, "auto_scale_tril"), (AutoNormal, "w_auto_scale")])
 def test_correlations_beyond_the_dtype_are_reported(guide_cls, scale):
