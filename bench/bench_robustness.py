@@ -98,7 +98,7 @@ class Run:
     def __init__(self, case, guide_cls, optim, steps, every, key):
         self.guide = guide_cls(case.model)
         svi = SVI(case.model, self.guide, optim, Trace_ELBO())
-        args, kwargs = case.args, case.kwargs
+        args, kwargs = rc.device_data(case)
         n_chunks = steps // every
 
         def chunk(s, _):
@@ -171,7 +171,7 @@ OPT_MAX_PARAMS = 5000  # ELBO* of a full Gaussian with more parameters is left o
 
 def safe_elbo(case, guide, params, key):
     try:
-        v = rc.elbo(case.model, guide, params, case.args, case.kwargs, n_particles=2000, key=key)
+        v = rc.elbo(case.model, guide, params, *rc.device_data(case), n_particles=2000, key=key)
     except Exception:  # noqa: BLE001
         return float("nan")
     return v if math.isfinite(v) else float("nan")

@@ -935,6 +935,19 @@ def get(name):
 # ---------------------------------------------------------------------------------------------
 # evaluation helpers
 # ---------------------------------------------------------------------------------------------
+def device_data(case):
+    """``(args, kwargs)`` of a case with its NumPy arrays put on the device in the run's dtypes (float64 data become
+    float32 without ``jax_enable_x64``), as JAX converts them at each use. The fits take these: in float32 runs of
+    this bench (jax/jaxlib 0.12.0.1, 2-core Xeon), NumPyro's eager ``svi.init`` given a case's float64 NumPy data
+    now and then failed with "RuntimeProgramInputMismatch ... expected f32[...] but got ... f64[...]" (a NumPy
+    argument handed to an executable unconverted; at a case that varied from run to run, in runs of several cases;
+    not reproduced outside the bench), which a device array does not meet."""
+    def put(v):
+        return jnp.asarray(v) if isinstance(v, np.ndarray) else v
+
+    return tuple(put(a) for a in case.args), {k: put(v) for k, v in case.kwargs.items()}
+
+
 def model_trace(model, args=(), kwargs=None):
     """One trace of the model with latent values from ``init_to_uniform`` (works with ImproperUniform)."""
     kwargs = kwargs or {}
