@@ -875,6 +875,7 @@ class _Program:
         self._jit = jit
         self._run = jit(self._run_fn)
         self._init = jit(self._init_fn)
+        self._init_from = jit(self._init_from_fn)
         self._steps = jit(self._steps_fn)
         self._params = jit(self._params_fn)
         self._many = jit(self._many_fn)
@@ -930,6 +931,11 @@ class _Program:
 
     def _init_fn(self, rng_key, data):
         state = self._start(rng_key, data)
+        return state, self.setup.collect(self.svi, (rng_key, data))
+
+    def _init_from_fn(self, rng_key, data, init_params):
+        """:meth:`_init_fn` with the guide's ``param`` sites at ``init_params`` (``svi.init(..., init_params=...)``)."""
+        state = self._start(rng_key, data, init_params=init_params)
         return state, self.setup.collect(self.svi, (rng_key, data))
 
     def _key_fn(self, rng_key, data, with_loss=True):
@@ -1453,6 +1459,109 @@ def one_program(fn, key, args, kwargs, inputs, owners=()):
     return out, metas[tracing[0]]
 
 
+def _cached_program(key, guide, built, make):
+    """The program under ``key`` in the cache, or ``make()``'s, stored there. ``guide`` and ``built`` are
+    :func:`_guide_key`'s: an autoguide set up by a program since dropped is first put back as built."""
+    with _CACHE_LOCK:
+        program = _CACHE.get(key)
+        if program is not None:
+            _CACHE.move_to_end(key)
+    if program is None:
+        if built is not None and not _pristine_autoguide(guide):
+            _assign_vars(guide, built)
+        program = make()
+        with _CACHE_LOCK:
+            _CACHE[key] = program
+            while len(_CACHE) > _CACHE_SIZE:
+                _CACHE.popitem(last=False)
+    return program
+
+
+def _adopt_setup(program, guide, guide_key, built):
+    """After ``program`` set its guide up: ``guide``, keyed by its class and options (:func:`_guide_key`), set up
+    alike where the program's guide is another object, and registered as set up by that key's programs."""
+    if built is not None:
+        if program.owner is not guide:
+            _assign_vars(guide, vars(program.owner))
+        _GUIDE_KEYS[guide] = (guide_key, built)
+
+
+#: ``svi.init``'s keys whose compiled start failed (a model that reads its data in Python): NumPyro's eager init
+_EAGER_INIT = set()
+
+
+def compiled_init(svi, rng_key, args, kwargs, init_params=None):
+    """``svi.init(rng_key, *args, init_params=init_params, **kwargs)`` for an ``SVI`` with one of our optimizers, as
+    one compiled program: the guide's setup, NumPyro's search for valid initial values, the constraints'
+    inverses and the optimizer's initial state.
+
+    NumPyro's ``SVI.init`` runs these eagerly, one small XLA program per operation and shape: about 230
+    compilations, 6-7 s in a fresh process on 2 cores for a four-parameter regression with
+    ``AutoMultivariateNormal`` (``bench/bench_workflow.py``'s ``svi.run`` column), most of a first ``svi.run``.
+    The program is :func:`fit`'s start (``_Program._init_fn``), cached like :func:`fit`'s programs: another
+    ``svi.init`` or ``svi.run`` on arguments of the same shapes, with the same model, guide (an autoguide: the same
+    class and options) and optimizer configuration, runs it without compiling. The state equals NumPyro's to
+    rounding; the guide is set up with concrete values and ``svi.constrain_fn`` is set, as ``SVI.init`` does.
+
+    Returns ``None`` where NumPyro's own init should run instead: traced arguments (``svi.init`` inside ``jit``),
+    or a model or guide whose start cannot be traced (one that reads its data in Python: its first call here
+    fails, and NumPyro's eager init runs from then on for that key)."""
+    if os.environ.get("NUMPYRO_BLR_EAGER_INIT", "") == "1":
+        return None
+    leaves = jax.tree.leaves((rng_key, args, kwargs, init_params))
+    if any(isinstance(x, jax.core.Tracer) for x in leaves):
+        return None
+    model, guide, optim, loss = svi.model, svi.guide, svi.optim, svi.loss
+    if optim.algorithm.read_layout is not None:  # nb.LieGroupBLR finds its guide among the live ones: a program
+        return None  # cached here would keep guides of earlier fits alive beside the one being fitted
+    kwargs = {**kwargs, **svi.static_kwargs}
+    data, rebuild, signature = _split(args, kwargs)
+    data = [jnp.asarray(x) if isinstance(x, np.ndarray) else x for x in data]
+    guide_key, built = _guide_key(guide)
+    effort = resolve_effort("auto", data, 1, 1)
+    key = ("init", id(model), guide_key, _optimizer_key(optim), _loss_key(loss), signature, effort,
+           None if init_params is None else jax.tree.structure(init_params))
+    if key in _EAGER_INIT:
+        return None
+    program = _cached_program(key, guide, built, lambda: _Program(
+        model, guide, optim, loss, num_steps=None, chunk=None, stable_update=False, rebuild=rebuild,
+        compiler_options=_compiler_options(effort)))
+    snapshot = program._snapshot()
+    try:
+        program.setup_eagerly(rng_key, (data, {}))
+        if init_params is None:
+            (state,), _ = program._call("init", rng_key, (data, {}))
+        else:
+            (state,), _ = program._call(lambda k, d: program._init_from(k, d, init_params), rng_key, (data, {}))
+    except Exception:  # noqa: BLE001 - NumPyro's init runs instead, and raises its own error if there is one
+        program._restore_snapshot(snapshot)
+        program.setup.pending = None
+        _EAGER_INIT.add(key)
+        with _CACHE_LOCK:
+            _CACHE.pop(key, None)
+        return None
+    _adopt_setup(program, guide, guide_key, built)
+    # compiled too: svi.run ends with svi.get_params(state) outside jit, where NumPyro's transforms (the
+    # scale_tril's, above all) would run eagerly, one small program per operation (1.5 s on the regression above)
+    svi.constrain_fn = _jitted_constrain(program.svi.constrain_fn)
+    return state
+
+
+def _jitted_constrain(constrain_fn):
+    """``constrain_fn`` (``SVI.init``'s ``partial(transform_fn, transforms)``) compiled where it is called on concrete
+    parameters (``svi.get_params(state)``: one program instead of one per operation); on traced ones (the loss
+    inside the step) the function itself, so that the step's program is what it was (a nested ``jit`` would also
+    read every parameter, hiding from :func:`~numpyro_blr.guide_trace.unread_params` which ones the loss reads)."""
+    jitted = jax.jit(constrain_fn)
+
+    def constrain(params):
+        if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(params)):
+            return constrain_fn(params)
+        return jitted(params)
+
+    return constrain
+
+
 def _check_optimizer(optim):
     if isinstance(optim, (_NumPyroOptim, optax.GradientTransformation)):
         return optim
@@ -1548,28 +1657,18 @@ def fit(model, guide, *args, optim=None, num_steps=1000, rng_key=None, loss=None
         guide_key, built = _guide_key(guide)
         key = (id(model), guide_key, _optimizer_key(optim), _loss_key(loss), capacity, bool(stable_update),
                signature, effort, _DISK["dir"])
-        with _CACHE_LOCK:
-            program = _CACHE.get(key)
-            if program is not None:
-                _CACHE.move_to_end(key)
-        if program is None:
-            if built is not None and not _pristine_autoguide(guide):  # set up by a program since dropped: as built
-                _assign_vars(guide, built)
+
+        def make():
             options = _compiler_options(effort)
             disk = _disk_config(optim, loss, capacity, "any", bool(stable_update),
                                 signature, effort, options)
-            program = _Program(model, guide, optim, loss, num_steps=num_steps, chunk=chunk, stable_update=bool(stable_update),
-                               rebuild=rebuild, compiler_options=options, disk=disk, capacity=capacity)
-            with _CACHE_LOCK:
-                _CACHE[key] = program
-                while len(_CACHE) > _CACHE_SIZE:
-                    _CACHE.popitem(last=False)
+            return _Program(model, guide, optim, loss, num_steps=num_steps, chunk=chunk, stable_update=bool(stable_update),
+                            rebuild=rebuild, compiler_options=options, disk=disk, capacity=capacity)
+
+        program = _cached_program(key, guide, built, make)
         with explain_traced_data(model, args, kwargs, "nb.fit"):
             state, losses, params = program.run(rng_key, (data, extra), init_state, progress_bar, num_steps, chunk)
-        if built is not None:  # the program's guide is set up now: so is this one, alike
-            if program.owner is not guide:
-                _assign_vars(guide, vars(program.owner))
-            _GUIDE_KEYS[guide] = (guide_key, built)
+        _adopt_setup(program, guide, guide_key, built)
         warn = getattr(optim, "warn", None)
         if warn is not None:  # the end-of-run warnings svi.run's get_params gives
             warn(state.optim_state, stacklevel=5)  # the caller of fit (once, run_with_rerun, fit)
@@ -1714,13 +1813,31 @@ def _leading_sizes(model, args, kwargs):
     return {label: int(np.shape(a)[0]) for label, a in _array_arguments(model, args, kwargs)}
 
 
-def _trace_model(model, args, kwargs):
+def _trace_model(model, args, kwargs, concrete=True):
     """The model's trace with its latent values drawn as NumPyro's initialisation draws them (shapes and
-    the observed sites' distributions are what the checks read)."""
+    the observed sites' distributions are what the checks read). With ``concrete=False`` it is traced
+    abstractly (``jax.eval_shape``, NumPyro's distribution checks off): the same sites, shapes, plates and
+    observed values (the data themselves), latent values and distribution parameters as tracers that only
+    their shapes may be read from; run eagerly it would compile a small program per operation (14 of them,
+    0.5 s, for a regression with ``AutoMultivariateNormal``)."""
+    from numpyro.distributions.distribution import validation_enabled
     from numpyro.infer.initialization import init_to_uniform
 
-    with handlers.block(), handlers.substitute(substitute_fn=init_to_uniform), handlers.seed(rng_seed=0):
-        return handlers.trace(model).get_trace(*args, **kwargs)
+    def run():
+        with handlers.block(), handlers.substitute(substitute_fn=init_to_uniform), handlers.seed(rng_seed=0):
+            return handlers.trace(model).get_trace(*args, **kwargs)
+
+    if concrete:
+        return run()
+    out = {}
+
+    def abstract():
+        out["trace"] = run()
+        return ()
+
+    with validation_enabled(False):
+        jax.eval_shape(abstract)
+    return out["trace"]
 
 
 def check_data(model, args, kwargs, shapes=True):
@@ -1748,7 +1865,7 @@ def _check_data(model, args, kwargs, shapes):
     fix = ("Remove those rows (or impute them), or mask them out of the likelihood (numpyro.handlers.mask, or "
            "obs_mask= for missing observations) before fitting.")
     try:
-        model_trace = _trace_model(model, args, kwargs)
+        model_trace = _trace_model(model, args, kwargs, concrete=bool(bad))
     except Exception as err:  # noqa: BLE001 - say what in the data makes the model fail, if we can
         if bad:
             raise ValueError(f"the model fails on its data ({type(err).__name__}: {err}): {what}. {fix}") from err

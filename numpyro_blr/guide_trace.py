@@ -253,13 +253,18 @@ class _LossRecorder(Messenger):
 def loss_sites(fn, params):
     """``({name: constraint}, [enumerated sites not enumerated])`` from running the loss
     ``fn(params)`` abstractly (``jax.eval_shape``: no computation is done)."""
+    from numpyro.distributions.distribution import validation_enabled
+
     recorder = _LossRecorder()
 
     def run(p):
         with recorder:
             return fn(p)
 
-    jax.eval_shape(run, params)
+    # NumPyro's distribution checks evaluate their constant parts eagerly even here (jax.ensure_compile_time_eval):
+    # about 20 one-operation programs for AutoMultivariateNormal, where the checks have nothing to find
+    with validation_enabled(False):
+        jax.eval_shape(run, params)
     return recorder.constraints, recorder.unsummed
 
 

@@ -514,6 +514,12 @@ def install_svi_checks():
                 # a hand-written guide (or another prefix) read from this SVI's guide: no nb.BLR(guide=...) needed
                 self.optim = self.optim.bound_to(self.guide, args, {**kwargs, **self.static_kwargs})
             self.optim.check_data(self.model, args, {**kwargs, **self.static_kwargs})
+            if getattr(self, "reads_its_guide", True):  # not one of nb.fit's programs' (they trace this init)
+                from numpyro_blr.compile_once import compiled_init
+
+                state = compiled_init(self, rng_key, args, kwargs, init_params)
+                if state is not None:
+                    return state
         return init(self, rng_key, *args, init_params=init_params, **kwargs)
 
     @functools.wraps(run)

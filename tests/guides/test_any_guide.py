@@ -14,6 +14,9 @@ from numpyro.infer.autoguide import AutoNormal
 
 import numpyro_blr as nb
 
+# svi.run here starts from svi.init's default compiled program (tests/conftest.py runs NumPyro's eager start elsewhere)
+pytestmark = pytest.mark.compiled_init
+
 N, D = 60, 3
 _rng = np.random.default_rng(11)
 X = jnp.asarray(_rng.normal(size=(N, D)), jnp.float32)

@@ -21,6 +21,9 @@ from numpyro.infer.autoguide import AutoDelta, AutoDiagonalNormal, AutoMultivari
 
 import numpyro_blr as nb
 
+# svi.run here starts from svi.init's default compiled program (tests/conftest.py runs NumPyro's eager start elsewhere)
+pytestmark = pytest.mark.compiled_init
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
