@@ -4,7 +4,6 @@ NumPyro's eager SVI.init to rounding, the guide set up alike, reused on new data
 own init where the start cannot be traced."""
 
 import jax
-import jax.monitoring
 import numpy as np
 import numpyro
 import numpyro.distributions as dist
@@ -13,6 +12,7 @@ from numpyro.infer import SVI, Trace_ELBO
 from numpyro.infer.autoguide import AutoDelta, AutoDiagonalNormal, AutoMultivariateNormal, AutoNormal
 
 import numpyro_blr as nb
+from conftest import count_compiles
 from numpyro_blr import compile_once
 
 pytestmark = pytest.mark.compiled_init
@@ -44,26 +44,6 @@ def data(n=40, seed=0):
     rng = np.random.default_rng(seed)
     x = rng.normal(size=n).astype(np.float32)
     return x, (1.0 - 2.0 * x + 0.5 * rng.normal(size=n)).astype(np.float32)
-
-
-class Compiles:
-    def __init__(self):
-        self.count, self.active = 0, False
-        jax.monitoring.register_event_duration_secs_listener(self._listen)
-
-    def _listen(self, name, duration, **kwargs):
-        if self.active and name == "/jax/core/compile/backend_compile_duration":
-            self.count += 1
-
-    def __enter__(self):
-        self.count, self.active = 0, True
-        return self
-
-    def __exit__(self, *exc):
-        self.active = False
-
-
-COMPILES = Compiles()
 
 
 @pytest.fixture
@@ -142,10 +122,10 @@ def test_new_data_of_the_same_shapes_and_a_guide_built_anew_compile_nothing():
     SVI(regression, AutoNormal(regression), nb.BLR(), Trace_ELBO()).init(jax.random.PRNGKey(0), x, y=y)
     x2, y2 = data(seed=1)
     svi = SVI(regression, AutoNormal(regression), nb.BLR(), Trace_ELBO())
-    with COMPILES:
+    with count_compiles() as compiles:
         state = svi.init(jax.random.PRNGKey(1), x2, y=y2)
         params = svi.get_params(state)
-    assert COMPILES.count == 0
+    assert compiles["compile"] == 0
     assert set(params) == {"a_auto_loc", "a_auto_scale", "b_auto_loc", "b_auto_scale", "s_auto_loc", "s_auto_scale"}
     # and the fit runs from it as from NumPyro's start
     res = svi.run(jax.random.PRNGKey(1), 200, x2, y=y2, progress_bar=False)
