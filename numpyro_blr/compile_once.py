@@ -1495,9 +1495,11 @@ def compiled_init(svi, rng_key, args, kwargs, init_params=None):
     one compiled program: the guide's setup, NumPyro's search for valid initial values, the constraints'
     inverses and the optimizer's initial state.
 
-    NumPyro's ``SVI.init`` runs these eagerly, one small XLA program per operation and shape: about 230
-    compilations, 6-7 s in a fresh process on 2 cores for a four-parameter regression with
-    ``AutoMultivariateNormal`` (``bench/bench_workflow.py``'s ``svi.run`` column), most of a first ``svi.run``.
+    NumPyro's ``SVI.init`` runs these eagerly, one small XLA program per operation and shape: 226 compilations,
+    7.5 s in a fresh process on 2 cores for kidiq's four-parameter regression with ``AutoMultivariateNormal``
+    (2.1-2.3 s compiled), most of a first ``svi.run`` (``docs/workflow.md``, section 1). ``NUMPYRO_BLR_EAGER_INIT=1``
+    turns this off (NumPyro's eager start is cheaper where many different models of alike shapes are fitted in one
+    process: its one-operation programs are shared across models).
     The program is :func:`fit`'s start (``_Program._init_fn``), cached like :func:`fit`'s programs: another
     ``svi.init`` or ``svi.run`` on arguments of the same shapes, with the same model, guide (an autoguide: the same
     class and options) and optimizer configuration, runs it without compiling. The state equals NumPyro's to
