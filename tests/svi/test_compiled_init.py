@@ -65,6 +65,8 @@ GUIDES = {
     "AutoDelta": lambda: AutoDelta(regression),
     "hand-written": lambda: hand_written_guide,
 }
+# make test-fast: the first guide (the cases after it are slow, as for the suite's other parametrized tests)
+GUIDE_CASES = [pytest.param(n, marks=pytest.mark.slow) if i else n for i, n in enumerate(GUIDES)]
 
 
 def _close(a, b):
@@ -73,7 +75,7 @@ def _close(a, b):
         np.testing.assert_allclose(np.asarray(u), np.asarray(v), rtol=1e-6, atol=1e-7, err_msg=jax.tree_util.keystr(path))
 
 
-@pytest.mark.parametrize("name", list(GUIDES))
+@pytest.mark.parametrize("name", GUIDE_CASES)
 def test_compiled_init_equals_numpyros_eager_init(name, starts):
     x, y = data()
     key = jax.random.PRNGKey(3)
@@ -96,6 +98,7 @@ def test_compiled_init_equals_numpyros_eager_init(name, starts):
         _close(draw(x, y=y), their_draw(x, y=y))
 
 
+@pytest.mark.slow
 def test_init_params_and_static_kwargs_are_numpyros(starts):
     """``init_params`` (constrained values for the guide's param sites) and SVI's static keyword arguments."""
     x, y = data()
@@ -115,6 +118,7 @@ def test_init_params_and_static_kwargs_are_numpyros(starts):
     assert not np.isclose(loss, float(default.evaluate(default.init(key, x, y=y, init_params=start), x, y=y)), rtol=1e-3)
 
 
+@pytest.mark.slow
 def test_new_data_of_the_same_shapes_and_a_guide_built_anew_compile_nothing():
     """The start is cached like nb.fit's programs: by the model, the guide's class and options, the optimizer's
     configuration and the arguments' shapes; a new SVI of the same (a loop over data sets) runs it again."""
