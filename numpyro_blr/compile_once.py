@@ -871,6 +871,7 @@ class _Program:
         # of those shapes: a new signature is traced from the guide as built, a known one gets its setup back)
         self._pristine = _vars_copy(self.owner) if _pristine_autoguide(self.owner) else _built(self.owner)
         self._setups = {}
+        self._traced = set()  # (program, arguments' signature) pairs traced: _use_setup
         jit = functools.partial(jax.jit, compiler_options=compiler_options) if compiler_options else jax.jit
         self._jit = jit
         self._run = jit(self._run_fn)
@@ -1051,7 +1052,7 @@ class _Program:
         first = (data[0], {**data[1], **jax.tree.map(lambda v: v[0], batch)})
         self.setup_eagerly(lambda: jax.random.split(rng_keys[0])[0], first)
         with self.lock:
-            sig = self._use_setup((rng_keys, data, batch, init_params))
+            sig = self._use_setup((rng_keys, data, batch, init_params), program="chain")
             try:
                 *result, leaked = self._chain(rng_keys, data, batch, init_params)
             except Exception:
@@ -1060,7 +1061,7 @@ class _Program:
                 raise
             self.setup.restore(self.svi, (rng_keys, data, batch, init_params), leaked,
                                lambda: self._resetup(rng_keys[0], first))
-            self._keep_setup(sig)
+            self._keep_setup(sig, "chain")
         return result
 
     def needs_setup(self):
@@ -1088,13 +1089,15 @@ class _Program:
         args, kwargs = self._arguments(data)
         self.svi.init(rng_key, *args, **kwargs)
 
-    def _call(self, fn, rng_key, data):
+    def _call(self, fn, rng_key, data, program=None):
         """``fn(rng_key, data)`` (a program that starts a fit), then the guide's traced values put back. ``fn``
-        may be a name ("run" or "init"): the program is then :meth:`_start_program`'s. Returns the results
-        and the key of the traced start (``None`` off the disk cache)."""
+        may be a name ("run" or "init"): the program is then :meth:`_start_program`'s. ``program`` names another
+        ``fn`` (:meth:`_use_setup`). Returns the results and the key of the traced start (``None`` off the disk
+        cache)."""
         with self.lock:
             base, snapshot = None, None
-            sig = self._use_setup((rng_key, data))
+            program = fn if isinstance(fn, str) else program
+            sig = self._use_setup((rng_key, data), program=program)
             if isinstance(fn, str):
                 name = fn
                 fn, base, snapshot = self._start_program(name, rng_key, data)
@@ -1118,24 +1121,34 @@ class _Program:
                 ids = {id(t) for t in stale}
                 if any(id(t) in ids for t in _leaked_tracers(self.svi)):
                     self._resetup(rng_key, data)
-            self._keep_setup(sig)
+            self._keep_setup(sig, program)
         return result, base
 
-    def _keep_setup(self, sig):
+    def _keep_setup(self, sig, program=None):
         if sig is not None and not self.needs_setup():
             self._setups[sig] = _vars_copy(self.owner)
+            if program is not None:
+                self._traced.add((program, sig))
 
-    def _use_setup(self, args, known_only=False):
+    def _use_setup(self, args, known_only=False, program=None):
         """Before a program that starts a fit (or many) on ``args``: the guide as set up for arguments of these shapes
         by an earlier call, or as built (its setup is then traced; with ``known_only``, as it is). Returns the
-        arguments' abstract signature (``None`` for a guide whose setup is not the program's)."""
+        arguments' abstract signature (``None`` for a guide whose setup is not the program's).
+
+        ``program`` names the program about to run: where it has not run on arguments of these shapes (it is about
+        to be traced), the guide is as built even where another program set it up for them, so that its setup is
+        traced into this program too. Traced with the guide already set up, the program would hold that setup's
+        values as constants: an autoguide's initial locations drawn with the earlier fit's key (a fit with a progress
+        bar after one without, on the same shapes, started where the earlier key's fit had started)."""
         if self._pristine is None:
             return None
         try:
             sig = _avals_text(args)
         except Exception:  # noqa: BLE001 - keep the guide as it is
             return None
-        if sig in self._setups or not known_only:
+        if program is not None and (program, sig) not in self._traced:
+            _assign_vars(self.owner, self._pristine)
+        elif sig in self._setups or not known_only:
             _assign_vars(self.owner, self._setups.get(sig, self._pristine))
         return sig
 
@@ -1266,11 +1279,11 @@ class _Program:
         first = (data[0], {**data[1], **jax.tree.map(lambda v: v[0], batch)})
         self.setup_eagerly(lambda: jax.random.split(rng_keys[0])[0], first)
         with self.lock:
-            sig = self._use_setup((rng_keys, data, batch, init_params))
+            sig = self._use_setup((rng_keys, data, batch, init_params), program="many")
             *result, leaked = self._many(rng_keys, data, batch, init_params)
             self.setup.restore(self.svi, (rng_keys, data, batch, init_params), leaked,
                                lambda: self._resetup(rng_keys[0], first))
-            self._keep_setup(sig)
+            self._keep_setup(sig, "many")
         return result
 
     def run(self, rng_key, data, init_state, progress_bar, num_steps=None, chunk=None):
@@ -1534,7 +1547,8 @@ def compiled_init(svi, rng_key, args, kwargs, init_params=None):
         if init_params is None:
             (state,), _ = program._call("init", rng_key, (data, {}))
         else:
-            (state,), _ = program._call(lambda k, d: program._init_from(k, d, init_params), rng_key, (data, {}))
+            (state,), _ = program._call(lambda k, d: program._init_from(k, d, init_params), rng_key, (data, {}),
+                                        program=("init_from", jax.tree.structure(init_params)))
     except Exception:  # noqa: BLE001 - NumPyro's init runs instead, and raises its own error if there is one
         program._restore_snapshot(snapshot)
         program.setup.pending = None

@@ -359,6 +359,23 @@ def test_progress_bar_and_resume_give_the_same_fit():
     np.testing.assert_allclose(jnp.concatenate([half.losses, resumed.losses]), whole.losses, rtol=1e-6)
 
 
+@pytest.mark.slow
+def test_a_start_traced_after_another_fit_draws_from_its_own_key():
+    """A program that starts a fit, traced after another program set the guide up for the same shapes, traces the
+    setup again: before, the progress bar's start (traced after a fit without the bar, key 3) held that fit's
+    initial locations as constants, so a fit from key 0 started where key 3's had (loss 14,108 against 668)."""
+    def model(x, y=None):  # its own programs, whatever ran before
+        regression(x, y)
+
+    x, y = data()
+    nb.fit(model, AutoNormal(model), x, y=y, num_steps=20, rng_key=jax.random.PRNGKey(3), progress_bar=False)
+    plain = nb.fit(model, AutoNormal(model), x, y=y, num_steps=20, progress_bar=False)
+    shown = nb.fit(model, AutoNormal(model), x, y=y, num_steps=20, progress_bar=True)
+    np.testing.assert_allclose(shown.losses, plain.losses, rtol=1e-6)
+    for k in plain.params:
+        np.testing.assert_allclose(shown.params[k], plain.params[k], rtol=1e-6, atol=1e-7)
+
+
 @pytest.mark.slow  # 10-12 s: four programs (run, continuation, two capacities)
 def test_another_number_of_steps_and_a_continued_fit_compile_nothing(compiles):
     """The step count is an argument of the program on every backend (a loop that stops at it, its losses in a
