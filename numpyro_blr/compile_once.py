@@ -1563,6 +1563,62 @@ def compiled_init(svi, rng_key, args, kwargs, init_params=None):
     return state
 
 
+def _adopt_run_state(source, target):
+    """``target`` (the optimizer a fit was given) as ``source`` (the optimizer of the cached program that ran it, built
+    for an earlier fit with the same configuration) left it: the attributes its start sets and its end-of-run report
+    reads (``GuideOptimizer.RUN_STATE``: the data's size; ``nb.IVON``'s default ``ess`` read from it)."""
+    if source is not target and type(source) is type(target):
+        for name in getattr(target, "RUN_STATE", ()):
+            setattr(target, name, getattr(source, name))
+
+
+#: ``svi.run``'s keys whose compiled run failed (a model that reads its data in Python): NumPyro's run
+_NUMPYRO_RUN = set()
+
+
+def compiled_run(svi, rng_key, num_steps, args, kwargs, progress_bar=True, stable_update=False, init_state=None):
+    """``svi.run(rng_key, num_steps, *args, progress_bar=..., stable_update=..., init_state=..., **kwargs)`` for an
+    ``SVI`` with one of our optimizers, as :func:`fit` runs it: the start and the steps as one compiled program with
+    the data as its arguments (in about 20 calls of it with the progress bar), cached by the model, the guide (an
+    autoguide: its class and options), the optimizer's configuration and the arguments' shapes.
+
+    NumPyro's ``SVI.run`` starts eagerly (``svi.init``; :func:`compiled_init` compiles that start), then compiles
+    its steps as a new program on every call, with the data as constants and at XLA's full optimisation: a cold
+    ``svi.run`` of 1,000 steps waited 1.5-2x as long as :func:`fit` (``docs/workflow.md``, section 1), and a second
+    ``svi.run`` on new data of the same shapes compiled its steps again. The result is :func:`fit`'s: NumPyro's to
+    rounding (the ELBO's terms summed in a fixed order, :func:`_ordered_loss`), with the same end-of-run warnings;
+    ``svi.constrain_fn`` is set and the guide set up as after NumPyro's run.
+
+    Returns ``None`` where NumPyro's own ``SVI.run`` should run instead (its start through :func:`compiled_init`):
+    ``NUMPYRO_BLR_EAGER_INIT=1``, traced arguments (``svi.run`` inside ``jit``), ``nb.LieGroupBLR`` (as for
+    :func:`compiled_init`), or a model or guide this program cannot run (one that reads its data in Python: its
+    first call here fails, and NumPyro's run is used from then on for that key)."""
+    if os.environ.get("NUMPYRO_BLR_EAGER_INIT", "") == "1":
+        return None
+    if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves((rng_key, args, kwargs, init_state))):
+        return None
+    optim = svi.optim
+    if optim.algorithm.read_layout is not None or not isinstance(num_steps, (int, np.integer)) \
+            or isinstance(num_steps, bool) or num_steps < 1:
+        return None  # NumPyro's run: nb.LieGroupBLR (compiled_init), or its own error for the step count
+    if init_state is not None and not isinstance(init_state, SVIState):
+        return None
+    kwargs = {**kwargs, **svi.static_kwargs}
+    key = (id(svi.model), _guide_key(svi.guide)[0], _optimizer_key(optim), _loss_key(svi.loss), _split(args, kwargs)[2])
+    if key in _NUMPYRO_RUN:
+        return None
+    try:
+        result, program = _fit(svi.model, svi.guide, args, kwargs, optim, int(num_steps), rng_key, svi.loss,
+                               progress_bar, stable_update, init_state, "auto", "svi.run", stacklevel=7)
+    except Warning:  # an end-of-run warning the caller's filters turned into an error: the fit ran
+        raise
+    except Exception:  # noqa: BLE001 - NumPyro's run runs instead, and raises its own error if there is one
+        _NUMPYRO_RUN.add(key)
+        return None
+    svi.constrain_fn = _jitted_constrain(program.svi.constrain_fn)
+    return result
+
+
 def _jitted_constrain(constrain_fn):
     """``constrain_fn`` (``SVI.init``'s ``partial(transform_fn, transforms)``) compiled where it is called on concrete
     parameters (``svi.get_params(state)``: one program instead of one per operation); on traced ones (the loss
@@ -1645,7 +1701,6 @@ def fit(model, guide, *args, optim=None, num_steps=1000, rng_key=None, loss=None
     observation takes the data's length), and each shape's setup is kept for its refits.
     """
     from numpyro_blr.optim import BLR
-    from numpyro_blr.svi import run_with_rerun
 
     if isinstance(num_steps, bool) or not isinstance(num_steps, (int, np.integer)) or num_steps < 1:
         raise ValueError(f"num_steps must be a positive int, got {num_steps!r}.")
@@ -1656,11 +1711,22 @@ def fit(model, guide, *args, optim=None, num_steps=1000, rng_key=None, loss=None
         raise TypeError(f"model must be a NumPyro model (a callable), got {type(model).__name__}.")
     _check_guide(model, guide)
     optim = _bound(BLR() if optim is None else _check_optimizer(optim), guide, args, kwargs)
-    loss = _ordered_loss(loss)
     if rng_key is None:
         rng_key = jax.random.PRNGKey(0)
     if init_state is not None and not isinstance(init_state, SVIState):
         raise TypeError(f"init_state must be the state of an earlier fit (svi_result.state), got {type(init_state).__name__}.")
+    return _fit(model, guide, args, kwargs, optim, num_steps, rng_key, loss, progress_bar, stable_update, init_state,
+                compile_effort, "nb.fit", stacklevel=6)[0]
+
+
+def _fit(model, guide, args, kwargs, optim, num_steps, rng_key, loss, progress_bar, stable_update, init_state,
+         compile_effort, where, stacklevel):
+    """:func:`fit` once its arguments are checked (and ``optim`` bound): ``(SVIRunResult, program)``, the program of
+    the last fit run (after a rerun, the rerun's: the same model, guide and constraints). ``where`` names the caller
+    in errors; ``stacklevel`` is the end-of-run warnings' (the user's line: 1 is the optimizer's ``warn``, 4 this)."""
+    from numpyro_blr.svi import run_with_rerun
+
+    loss = _ordered_loss(loss)
     data, rebuild, signature = _split(args, kwargs)
     data = [jnp.asarray(x) if isinstance(x, np.ndarray) else x for x in data]
     chunk = _chunk_length(num_steps, progress_bar)
@@ -1682,16 +1748,20 @@ def fit(model, guide, *args, optim=None, num_steps=1000, rng_key=None, loss=None
                             rebuild=rebuild, compiler_options=options, disk=disk, capacity=capacity)
 
         program = _cached_program(key, guide, built, make)
-        with explain_traced_data(model, args, kwargs, "nb.fit"):
+        with explain_traced_data(model, args, kwargs, where):
             state, losses, params = program.run(rng_key, (data, extra), init_state, progress_bar, num_steps, chunk)
         _adopt_setup(program, guide, guide_key, built)
+        _adopt_run_state(program.svi.optim, optim)
+        programs.append(program)
         warn = getattr(optim, "warn", None)
         if warn is not None:  # the end-of-run warnings svi.run's get_params gives
-            warn(state.optim_state, stacklevel=5)  # the caller of fit (once, run_with_rerun, fit)
+            warn(state.optim_state, stacklevel=stacklevel)  # once, run_with_rerun, _fit, then the callers
         return SVIRunResult(params, state, losses)
 
     # nb.BLR()'s default may rerun the fit with averaged curvature draws, as svi.run does (run_with_rerun)
-    return run_with_rerun(optim, once)
+    programs = []
+    result = run_with_rerun(optim, once)
+    return result, programs[-1]
 
 
 # -- checks made while the program is traced (shapes only: no cost at run time) ---------------------

@@ -30,6 +30,7 @@ has) also gives ``read_layout(params, optimizer) -> Layout``.
 
 import copy
 import functools
+import os
 import warnings
 from typing import Any, Callable, NamedTuple
 
@@ -110,6 +111,11 @@ class GuideOptimizer(_NumPyroOptim):
         constraints, or a hand-written guide to trace (with the arguments given to ``svi.run``).
     :param prefix: the autoguide prefix (default ``"auto"``, or the guide's).
     """
+
+    #: what a fit sets on the optimizer while it starts (``check_data`` at ``svi.init``), which the end-of-run report
+    #: reads: :func:`nb.fit <numpyro_blr.compile_once.fit>` copies it from the optimizer of the compiled program it
+    #: reused (another object of the same configuration) to the one it was given
+    RUN_STATE = ("data_size",)
 
     # whether the algorithm reads the sites packed into one vector (site_segments: nb.BLR's probes); the others are
     # not rebound to an AutoDiagonalNormal they are used with (what they record at init stays on the user's object)
@@ -541,13 +547,31 @@ def install_svi_checks():
                     "this one from that run's parameters: svi.run(key, num_steps, *args, init_params=previous_result.params)."
                 )
             model_kwargs = {k: v for k, v in kwargs.items() if k not in _RUN_OPTIONS + ("init_state",)}
-            if ours and self.constrain_fn is None:  # a new SVI object: learn the constraints (its state is discarded)
+            if ours and self.constrain_fn is None and not _compiled_run_applies(self, kwargs):
+                # a new SVI object: learn the constraints (its state is discarded; the compiled run sets them)
                 self.init(rng_key, *args, **model_kwargs)  # the data are checked there
             elif ours:  # a continued run: its data, which may be new, are checked as svi.init checks them
                 self.optim.check_data(self.model, args, {**model_kwargs, **self.static_kwargs})
+        if _compiled_run_applies(self, kwargs):  # nb.fit's program: the start and the steps compiled once
+            from numpyro_blr.compile_once import compiled_run
+
+            model_kwargs = {k: v for k, v in kwargs.items() if k not in _RUN_OPTIONS + ("init_state",)}
+            result = compiled_run(self, rng_key, num_steps, args, model_kwargs, kwargs.get("progress_bar", True),
+                                  kwargs.get("stable_update", False), state)
+            if result is not None:
+                return result
+            if state is not None and self.constrain_fn is None:  # NumPyro's run of a new SVI object: the constraints
+                self.init(rng_key, *args, **model_kwargs)
         # nb.BLR()'s default may rerun the fit with averaged curvature draws (run_with_rerun)
         return run_with_rerun(self.optim, lambda optim: run(self if optim is self.optim else _rerun_svi(self, optim),
                                                              rng_key, num_steps, *args, **kwargs))
+
+    def _compiled_run_applies(svi, kwargs):
+        """Whether ``svi.run`` goes to :func:`~numpyro_blr.compile_once.compiled_run` (which may still decline):
+        one of our optimizers, and none of ``svi.run``'s options that :func:`numpyro_blr.fit` does not take."""
+        return (isinstance(svi.optim, GuideOptimizer) and getattr(svi, "reads_its_guide", True)
+                and kwargs.get("init_params") is None and not kwargs.get("forward_mode_differentiation", False)
+                and os.environ.get("NUMPYRO_BLR_EAGER_INIT", "") != "1")
 
     def _rerun_svi(svi, optim):
         """``svi`` with another optimizer (same model, guide, loss and static arguments; its constraints)."""

@@ -29,14 +29,11 @@ if _cpu_only() and os.environ.get("NUMPYRO_BLR_TEST_FULL_OPT", "") != "1" \
         and "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
 
-# svi.init with our optimizers runs NumPyro's start as one compiled program (compile_once.compiled_init): in a fresh
-# process 3-4x faster than NumPyro's eager start, which compiles a small program per operation. The suite starts
-# hundreds of fits of different small models of alike shapes in one process, where those per-operation programs are
-# shared across models and a program per model is not: with the compiled start the suite took about 10% longer
-# (tests/svi, test_any_guide, diagnostics, accuracy: 349 s against 317 s). So the suite runs NumPyro's eager start
-# (NUMPYRO_BLR_EAGER_INIT=1), except in the tests marked compiled_init (svi.init's own tests, the guides of every
-# kind in tests/guides/test_any_guide.py, nb.fit against svi.run), which run the default.
-os.environ.setdefault("NUMPYRO_BLR_EAGER_INIT", "1")
+# svi.init and svi.run with our optimizers run nb.fit's compiled programs (compile_once.compiled_init, compiled_run),
+# the suite included: with both, tests/svi, test_any_guide, diagnostics and accuracy took 416 s on 2 workers against
+# 466 s with NumPyro's eager start and run (NUMPYRO_BLR_EAGER_INIT=1, which the suite used while only svi.init was
+# compiled: that alone had cost 10% more). NUMPYRO_BLR_EAGER_INIT=1 make test runs NumPyro's code outside the tests
+# marked compiled_init (which compare the compiled start and run with NumPyro's: numpyro_svi below).
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -84,9 +81,26 @@ def _release_compiled_programs():
 
 @pytest.fixture(autouse=True)
 def _compiled_init_where_marked(request, monkeypatch):
-    """The default compiled svi.init (see NUMPYRO_BLR_EAGER_INIT above) in the tests marked ``compiled_init``."""
+    """The default compiled svi.init and svi.run (see NUMPYRO_BLR_EAGER_INIT above) in the tests marked
+    ``compiled_init``, whatever the environment says."""
     if request.node.get_closest_marker("compiled_init") is not None:
         monkeypatch.delenv("NUMPYRO_BLR_EAGER_INIT", raising=False)
+
+
+@contextlib.contextmanager
+def numpyro_svi():
+    """In the block, ``svi.init`` and ``svi.run`` run NumPyro's own code (its eager start, its steps' program) with this
+    package's checks around them, as with ``NUMPYRO_BLR_EAGER_INIT=1``: the reference that ``nb.fit`` and the
+    compiled ``svi.run`` (``compile_once.compiled_run``) are compared with."""
+    before = os.environ.get("NUMPYRO_BLR_EAGER_INIT")
+    os.environ["NUMPYRO_BLR_EAGER_INIT"] = "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["NUMPYRO_BLR_EAGER_INIT"]
+        else:
+            os.environ["NUMPYRO_BLR_EAGER_INIT"] = before
 
 
 @contextlib.contextmanager

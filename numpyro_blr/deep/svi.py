@@ -548,6 +548,8 @@ class IVON(GuideOptimizer):
         super().__init__(algorithm, fallback=fallback, guide=guide, prefix=prefix)
         self.ess = ess  # read by the end-of-run report (an ess far below the data's size is named there)
 
+    RUN_STATE = ("data_size", "ess", "algorithm")  # the default ess is the data's size, read at svi.init
+
     def _default_algorithm(self, ess):
         return ivon_default_algorithm(ess, self.hess_init, 0.0 if self.beta1 is None else self.beta1, self.beta2,
                                       self.weight_decay, self.clip_radius, layout_of=self.layout)
@@ -562,8 +564,10 @@ class IVON(GuideOptimizer):
 
     def check_data(self, model, args, kwargs):
         super().check_data(model, args, kwargs)
-        if self.data_size is None and self.lr is None and self.ess_option is None:
-            self.data_size = _observations_of(model, args, kwargs)  # tracers (nb.fit): from the shapes
+        # tracers (nb.fit's program, svi.run): the data's size from the shapes, for the default ess and for the report,
+        # which names an ess far below it
+        if self.data_size is None or any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves((args, kwargs))):
+            self.data_size = _observations_of(model, args, kwargs)
 
 
 def _observations_of(model, args, kwargs):

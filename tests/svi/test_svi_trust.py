@@ -160,6 +160,13 @@ def test_ivon_with_an_implausibly_small_ess_names_ess(data):
     assert any("ess=1 is implausibly small" in m and "Pass ess=50" in m for m in messages), messages
     _, messages = _run(regression, AutoNormal(regression), nb.IVON(0.1, ess=50), 30, *data)
     assert not any("ess=" in m for m in messages), messages
+    # nb.fit (and svi.run, which runs its program) reads the data's size from the shapes it traces: before, it was
+    # never read there, and the report said only that IVON diverged
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        nb.fit(regression, AutoNormal(regression), *data, optim=nb.IVON(0.1, ess=1), num_steps=30, progress_bar=False)
+    messages = [str(w.message) for w in caught]
+    assert any("ess=1 is implausibly small" in m and "Pass ess=50" in m for m in messages), messages
 
 
 @pytest.mark.slow  # two IVON runs (their compilation)

@@ -27,6 +27,14 @@ pytestmark = pytest.mark.compiled_init
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+def numpyro_svi():
+    """conftest's ``numpyro_svi`` (NumPyro's own svi.init and svi.run in the block), imported when used: this module is
+    imported by the subprocesses below, where importing conftest would turn the suite's compilation cache on."""
+    from conftest import numpyro_svi as block
+
+    return block()
+
+
 def regression(x, y=None):
     a = numpyro.sample("a", dist.Normal(0.0, 5.0))
     b = numpyro.sample("b", dist.Normal(0.0, 5.0))
@@ -87,8 +95,9 @@ def test_fit_equals_svi_run(guide_cls):
         x, y = (v.astype(np.float64) for v in data())
         key = jax.random.PRNGKey(3)
         res = nb.fit(unsorted_sites, guide_cls(unsorted_sites), x, y=y, num_steps=40, rng_key=key, progress_bar=False)
-        ref = SVI(unsorted_sites, guide_cls(unsorted_sites), nb.BLR(), nb.Trace_ELBO()).run(key, 40, x, y=y,
-                                                                                            progress_bar=False)
+        with numpyro_svi():  # NumPyro's own start and steps (svi.run is otherwise nb.fit's program)
+            ref = SVI(unsorted_sites, guide_cls(unsorted_sites), nb.BLR(), nb.Trace_ELBO()).run(key, 40, x, y=y,
+                                                                                                progress_bar=False)
         for k in ref.params:
             np.testing.assert_allclose(res.params[k], ref.params[k], rtol=1e-9, atol=1e-12)
         np.testing.assert_allclose(res.losses, ref.losses, rtol=1e-9)
@@ -184,8 +193,9 @@ def test_refit_with_new_data_does_not_compile(compiles):
         res = nb.fit(regression, guide, x2, y=y2, num_steps=30, progress_bar=False)
     assert compiles.count == 0
     # the refit is the fit of the new data (the guide's initialisation does not depend on the data's values)
-    ref = SVI(regression, AutoNormal(regression), nb.BLR(), nb.Trace_ELBO()).run(jax.random.PRNGKey(0), 30, x2, y=y2,
-                                                                               progress_bar=False)
+    with numpyro_svi():
+        ref = SVI(regression, AutoNormal(regression), nb.BLR(), nb.Trace_ELBO()).run(jax.random.PRNGKey(0), 30, x2,
+                                                                                   y=y2, progress_bar=False)
     for k in ref.params:
         np.testing.assert_allclose(res.params[k], ref.params[k], rtol=1e-5, atol=1e-6)
     # a new nb.BLR() with the same options is the same program
@@ -253,7 +263,8 @@ def test_structures_fit_as_svi_run_and_refit_without_compiling(model, compiles):
         y = _structure_data(model, 0)
         key = jax.random.PRNGKey(1)
         res = nb.fit(model, AutoNormal(model), y, num_steps=30, rng_key=key, progress_bar=False)
-        ref = SVI(model, AutoNormal(model), nb.BLR(), nb.Trace_ELBO()).run(key, 30, y, progress_bar=False)
+        with numpyro_svi():
+            ref = SVI(model, AutoNormal(model), nb.BLR(), nb.Trace_ELBO()).run(key, 30, y, progress_bar=False)
         for k in ref.params:
             np.testing.assert_allclose(res.params[k], ref.params[k], rtol=1e-9, atol=1e-12)
         y2 = _structure_data(model, 1)
@@ -393,8 +404,9 @@ def test_another_number_of_steps_and_a_continued_fit_compile_nothing(compiles):
     assert short.losses.shape == (17,) and more.losses.shape == (33,)
     assert short.losses.dtype == first.losses.dtype and np.all(np.isfinite(np.asarray(more.losses)))
     np.testing.assert_array_equal(short.losses, first.losses[:17])  # the same steps, in the same program
-    ref = SVI(regression, AutoNormal(regression), nb.BLR(), nb.Trace_ELBO()).run(jax.random.PRNGKey(0), 17, x, y=y,
-                                                                               progress_bar=False)
+    with numpyro_svi():
+        ref = SVI(regression, AutoNormal(regression), nb.BLR(), nb.Trace_ELBO()).run(jax.random.PRNGKey(0), 17, x, y=y,
+                                                                                   progress_bar=False)
     np.testing.assert_allclose(short.losses, ref.losses, rtol=1e-6)
     np.testing.assert_allclose(jnp.concatenate([short.losses, more.losses]), first.losses, rtol=1e-6)
     for k in ref.params:
@@ -588,6 +600,7 @@ def test_our_other_guides_and_optimizers_equal_svi_run(make):
         guide, optim = make()
         res = nb.fit(unsorted_sites, guide, x, y=y, optim=optim, num_steps=15, rng_key=key, progress_bar=False)
         guide, optim = make()
-        ref = SVI(unsorted_sites, guide, optim, nb.Trace_ELBO()).run(key, 15, x, y=y, progress_bar=False)
+        with numpyro_svi():
+            ref = SVI(unsorted_sites, guide, optim, nb.Trace_ELBO()).run(key, 15, x, y=y, progress_bar=False)
         for k in ref.params:
             np.testing.assert_allclose(res.params[k], ref.params[k], rtol=1e-8, atol=1e-10)
