@@ -300,8 +300,9 @@ def _import_in_background(*modules):
     return thread
 
 
-#: a warm-started fit's steps (:func:`kfold`, :func:`reloo`), as a fraction of ``num_steps``, at least WARM_MIN_STEPS
-WARM_FRACTION = 0.2
+#: a warm-started fit's steps (:func:`kfold`, :func:`reloo`), as a fraction of ``num_steps``, at least WARM_MIN_STEPS.
+#: 100 steps of 1,000 were as close to the folds fitted from scratch as 200 (docs/workflow.md, section 5)
+WARM_FRACTION = 0.1
 WARM_MIN_STEPS = 100
 WARM_STARTS = ("auto", True, False)
 
@@ -357,7 +358,7 @@ def kfold(model, guide, *args, k=10, obs=None, folds=None, optim=None, num_steps
         ``False``: every fit from the guide's initialisation for ``num_steps``, ``batch_size`` of them
         vectorised; ``"auto"`` (default): ``True`` on CPU or when ``result`` is given, else ``False``
         (see ``docs/workflow.md``).
-    :param warm_steps: steps of each warm-started fit; default ``max(100, num_steps / 5)`` (at most ``num_steps``).
+    :param warm_steps: steps of each warm-started fit; default ``max(100, num_steps / 10)`` (at most ``num_steps``).
     :param result: a full-data fit to start from (``nb.fit``'s or ``svi.run``'s result, or its constrained
         ``params``), of the same guide.
     :returns: ArviZ's ``ELPDDataLOOKFold`` (``elpd``, ``se``, ``p`` with ``p_kfold_i``, pointwise
@@ -456,7 +457,7 @@ def reloo(model, guide, *args, result=None, k_threshold=0.7, obs=None, optim=Non
         (ArviZ's default 0.7).
     :param num_draws: draws of :math:`q` for PSIS (and of each refit's :math:`q`).
     :param warm_start, warm_steps: ``True`` (default): each refit starts from the full-data fit's :math:`q`
-        (with a fresh optimizer state) and runs ``warm_steps`` steps (default ``max(100, num_steps / 5)``);
+        (with a fresh optimizer state) and runs ``warm_steps`` steps (default ``max(100, num_steps / 10)``);
         ``False``: from the guide's initialisation for ``num_steps`` (``"auto"`` is ``True`` here: the
         full-data fit is at hand). A refit whose report finds a problem is named in a warning.
     :returns: ArviZ's ``ELPDDataLOO``: ``loo_vi``'s (PSIS with the approximate-posterior correction of

@@ -147,7 +147,7 @@ def test_warm_start_auto_and_warm_steps():
     assert wf._resolve_warm_start("auto", {"a": 1})  # the full-data fit given: warm on any backend
     assert wf._resolve_warm_start("auto", None) == (jax.default_backend() == "cpu")
     assert wf._resolve_warm_start(False, None) is False and wf._resolve_warm_start(True, None) is True
-    assert wf._warm_steps(None, 1000) == 200 and wf._warm_steps(None, 300) == 100 and wf._warm_steps(None, 50) == 50
+    assert wf._warm_steps(None, 1000) == 100 and wf._warm_steps(None, 3000) == 300 and wf._warm_steps(None, 50) == 50
 
 
 @pytest.mark.slow
