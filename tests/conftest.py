@@ -35,14 +35,11 @@ if _cpu_only() and os.environ.get("NUMPYRO_BLR_TEST_FULL_OPT", "") != "1" \
 # compiled: that alone had cost 10% more). NUMPYRO_BLR_EAGER_INIT=1 make test runs NumPyro's code outside the tests
 # marked compiled_init (which compare the compiled start and run with NumPyro's: numpyro_svi below).
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
+# Nothing heavy is imported here at module level: pytest-xdist's controller loads this file too (for the
+# options and the scheduling below) and runs no test, and JAX, NumPyro and scikit-learn cost it about 3.5 s on
+# 2 cores before the workers start. The workers set JAX up in pytest_configure, before they collect.
 import numpy as np  # noqa: E402
-import numpyro  # noqa: E402
-import numpyro.distributions as dist  # noqa: E402
 import pytest  # noqa: E402
-from numpyro.infer import MCMC, NUTS  # noqa: E402
-from sklearn.datasets import load_breast_cancer, load_diabetes  # noqa: E402
 
 # JAX's persistent compilation cache. The suite spends most of its time in XLA compilation (about
 # 80%: measured with jax.monitoring's backend_compile_duration), so a second run on the same
@@ -58,10 +55,22 @@ from sklearn.datasets import load_breast_cancer, load_diabetes  # noqa: E402
 # not set: it makes every write re-scan the directory (thousands of entries). Delete .cache/ to
 # reclaim the space (~60 MB per version of the code).
 _CACHE_DIR = os.environ.get("JAX_COMPILATION_CACHE_DIR", str(pathlib.Path(__file__).resolve().parents[1] / ".cache" / "jax"))
-if _CACHE_DIR:
-    jax.config.update("jax_compilation_cache_dir", _CACHE_DIR)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+
+
+def _xdist_controller(config):
+    """pytest-xdist's controlling process, which hands the files to the workers and runs none itself."""
+    return not hasattr(config, "workerinput") and getattr(config.option, "numprocesses", None) not in (None, 0)
+
+
+def pytest_configure(config):
+    if _xdist_controller(config):
+        return
+    import jax
+
+    if _CACHE_DIR:
+        jax.config.update("jax_compilation_cache_dir", _CACHE_DIR)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+        jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -73,6 +82,8 @@ def _release_compiled_programs():
     segfault inside XLA (mapping the next program failed). Programs a later file needs again are read
     back from the persistent cache above."""
     yield
+    import jax
+
     from numpyro_blr import compile_once
 
     compile_once.cache_clear()
@@ -106,6 +117,8 @@ def numpyro_svi():
 @contextlib.contextmanager
 def count_compiles():
     """``{"compile": n}``: the XLA backend compilations in the block (``jax.monitoring``)."""
+    import jax
+
     counts = {"compile": 0}
 
     def listener(event, duration, **kwargs):
@@ -127,6 +140,8 @@ def float32_matmuls():
     (a GPU run of the suite found 3 diagnostics tests 0.3-1.0e-3 apart and a quadratic loss 1.6e-4 from its exact
     value). That is the user's precision, not this package's error; on the CPU this changes nothing. Use it as
     ``pytestmark = pytest.mark.usefixtures("float32_matmuls")`` (module-scoped: it covers the module's fixtures)."""
+    import jax
+
     previous = jax.config.jax_default_matmul_precision
     jax.config.update("jax_default_matmul_precision", "highest")
     yield
@@ -139,17 +154,26 @@ def standardise_with_intercept(X):
 
 
 def logistic_model(X, y=None):
+    import numpyro
+    import numpyro.distributions as dist
+
     w = numpyro.sample("w", dist.Normal(0.0, 1.0).expand([X.shape[1]]).to_event(1))
     numpyro.sample("y", dist.Bernoulli(logits=X @ w), obs=y)
 
 
 def linear_model(X, y=None, noise=1.0, prior_scale=1.0):
+    import numpyro
+    import numpyro.distributions as dist
+
     w = numpyro.sample("w", dist.Normal(0.0, prior_scale).expand([X.shape[1]]).to_event(1))
     numpyro.sample("y", dist.Normal(X @ w, noise), obs=y)
 
 
 @pytest.fixture(scope="session")
 def breast_cancer():
+    import jax.numpy as jnp
+    from sklearn.datasets import load_breast_cancer
+
     X, y = load_breast_cancer(return_X_y=True)
     return jnp.asarray(standardise_with_intercept(X), jnp.float32), jnp.asarray(y, jnp.float32)
 
@@ -157,6 +181,8 @@ def breast_cancer():
 @pytest.fixture(scope="session")
 def diabetes_np():
     """Diabetes regression with standardised target: float64 numpy arrays."""
+    from sklearn.datasets import load_diabetes
+
     X, y = load_diabetes(return_X_y=True)
     return standardise_with_intercept(X), (y - y.mean()) / y.std()
 
@@ -175,6 +201,9 @@ def breast_cancer_nuts(breast_cancer):
     elpd is -41.88 with key 2 (BLR fit: -41.81), -41.77 and -41.80 with keys 3 and 1, but -42.78
     with key 0. test_accuracy passes with either key (largest mean error 0.47 of its allowance with
     key 2, 0.43 with key 0; sd ratios 0.95-1.03 and 0.92-1.02 in a 0.86-1.13 band)."""
+    import jax
+    from numpyro.infer import MCMC, NUTS
+
     X, y = breast_cancer
     mcmc = MCMC(NUTS(logistic_model), num_warmup=500, num_samples=1500, num_chains=2, chain_method="sequential", progress_bar=False)
     mcmc.run(jax.random.PRNGKey(2), X, y)

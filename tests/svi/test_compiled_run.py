@@ -60,8 +60,9 @@ def _close(result, ref):
     np.testing.assert_allclose(result.losses, ref.losses, rtol=1e-9)
 
 
-@pytest.mark.parametrize("guide_cls", [AutoNormal, pytest.param(AutoMultivariateNormal, marks=pytest.mark.slow)])
-def test_svi_run_is_numpyros_fit_and_a_second_svi_compiles_nothing(guide_cls, runs):
+@pytest.mark.slow  # NumPyro's eager start and its run, compiled for the reference: 10-12 s cold
+@pytest.mark.parametrize("guide_cls", [AutoNormal, AutoMultivariateNormal])
+def test_svi_run_is_numpyros_fit(guide_cls, runs):
     """In float64, to rounding: the program sums the ELBO's terms in a fixed order and fuses what NumPyro runs apart."""
     with jax.enable_x64(True):
         x, y = data()
@@ -77,16 +78,39 @@ def test_svi_run_is_numpyros_fit_and_a_second_svi_compiles_nothing(guide_cls, ru
         for k in ref.params:
             np.testing.assert_allclose(params[k], ref.params[k], rtol=1e-9, atol=1e-12)
         assert set(svi.guide.median(result.params)) == {"a", "b", "s"}
-        # new data of the same shapes, a new SVI object with a new guide and optimizer: the same program
+
+
+def test_a_second_svi_on_new_data_compiles_nothing_and_fits_them(runs):
+    """A new SVI object, guide and optimizer on new data of the same shapes (and another step count) runs the same
+    program: nothing is compiled, and the fit is of the new data (not of constants kept from the first)."""
+    with jax.enable_x64(True):
+        key = jax.random.PRNGKey(3)
+        x, y = data()
+        first = SVI(regression, AutoNormal(regression), nb.BLR(), Trace_ELBO()).run(key, 40, x, y=y, progress_bar=False)
         x2, y2 = data(seed=1, slope=3.0)
         with count_compiles() as counts:
-            again = SVI(regression, guide_cls(regression), nb.BLR(), Trace_ELBO()).run(key, 40, x2, y=y2,
-                                                                                      progress_bar=False)
+            again = SVI(regression, AutoNormal(regression), nb.BLR(), Trace_ELBO()).run(key, 60, x2, y=y2,
+                                                                                       progress_bar=False)
         assert counts["compile"] == 0
+        assert runs[-1] is again and len(again.losses) == 60
+        assert abs(float(first.params["b_auto_loc"]) + 2.0) < 0.3  # each fit's slope is its data's (-2, then 3)
+        assert abs(float(again.params["b_auto_loc"]) - 3.0) < 0.3
+
+
+@pytest.mark.slow
+def test_a_second_svi_on_new_data_is_numpyros_fit_of_them(runs):
+    with jax.enable_x64(True):
+        key = jax.random.PRNGKey(3)
+        x, y = data()
+        SVI(regression, AutoMultivariateNormal(regression), nb.BLR(), Trace_ELBO()).run(key, 40, x, y=y,
+                                                                                         progress_bar=False)
+        x2, y2 = data(seed=1, slope=3.0)
+        again = SVI(regression, AutoMultivariateNormal(regression), nb.BLR(), Trace_ELBO()).run(key, 40, x2, y=y2,
+                                                                                               progress_bar=False)
         assert runs[-1] is again
         with numpyro_svi():
-            ref2 = SVI(regression, guide_cls(regression), nb.BLR(), Trace_ELBO()).run(key, 40, x2, y=y2,
-                                                                                      progress_bar=False)
+            ref2 = SVI(regression, AutoMultivariateNormal(regression), nb.BLR(), Trace_ELBO()).run(
+                key, 40, x2, y=y2, progress_bar=False)
         _close(again, ref2)
 
 
@@ -110,6 +134,7 @@ def test_progress_bar_and_a_continued_run_give_the_same_fit(runs):
         assert all(r is not None for r in runs)
 
 
+@pytest.mark.slow
 def test_numpyros_run_where_the_program_cannot_run_the_model(runs):
     """A model that reads its data in Python runs under svi.run as before (nb.fit refuses it with a TypeError that
     names the argument: tests/workflow/test_fit.py); init_params and forward-mode differentiation, which nb.fit does
@@ -132,8 +157,8 @@ def test_numpyros_run_where_the_program_cannot_run_the_model(runs):
 
 
 def test_end_of_run_warnings_point_at_the_callers_line():
-    x, y = data(n=20)
-    with warnings.catch_warnings(record=True) as caught:
+    x, y = data()
+    with jax.enable_x64(True), warnings.catch_warnings(record=True) as caught:  # the program of the tests above
         warnings.simplefilter("always")
         SVI(regression, AutoNormal(regression), nb.BLR(), Trace_ELBO()).run(jax.random.PRNGKey(0), 5, x, y=y,
                                                                            progress_bar=False)
