@@ -99,6 +99,7 @@ def test_a_second_svi_on_new_data_compiles_nothing_and_fits_them(runs):
 
 @pytest.mark.slow
 def test_a_second_svi_on_new_data_is_numpyros_fit_of_them(runs):
+    """The program reused on new data gives NumPyro's fit of those data, to rounding."""
     with jax.enable_x64(True):
         key = jax.random.PRNGKey(3)
         x, y = data()
