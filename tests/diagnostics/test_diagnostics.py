@@ -3,7 +3,6 @@
 import contextlib
 import warnings
 
-import arviz as az
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -14,10 +13,13 @@ from numpyro.infer import SVI, Trace_ELBO
 from numpyro.infer.autoguide import AutoDelta, AutoDiagonalNormal, AutoMultivariateNormal, AutoNormal
 
 import numpyro_blr as nb
-from numpyro_blr import diagnostics as nd
-from numpyro_blr.diagnostics import plots
 
-from conftest import logistic_model
+from conftest import LazyModule, logistic_model
+
+# ArviZ and the diagnostics (xarray, arviz_stats, matplotlib) are imported when a test first reads them
+az = LazyModule("arviz")
+nd = LazyModule("numpyro_blr.diagnostics")
+plots = LazyModule("numpyro_blr.diagnostics.plots")
 
 # oracles that redo the model's matrix products outside its program: full float32 (conftest.float32_matmuls)
 pytestmark = pytest.mark.usefixtures("float32_matmuls")

@@ -9,6 +9,7 @@ dynamax's ``psd_solve`` adds 1e-9 to the diagonal of every matrix it solves with
 (monkeypatched), the ones with the boost at dynamax's default use 1e-8 / 5e-8.
 """
 
+import importlib.util
 from functools import partial
 
 import jax
@@ -21,10 +22,14 @@ from numpyro.contrib.control_flow import scan
 
 from numpyro_blr.online.kalman import StateSpaceModelError, kalman_filter, kalman_smoother
 
-dynamax = pytest.importorskip("dynamax")
-from dynamax.linear_gaussian_ssm import inference as lgssm_inf  # noqa: E402
-from dynamax.nonlinear_gaussian_ssm import ParamsNLGSSM  # noqa: E402
-from dynamax.nonlinear_gaussian_ssm import inference_ekf  # noqa: E402
+from conftest import LazyModule
+
+if importlib.util.find_spec("dynamax") is None:  # the oracle, a test-only dependency (pyproject's test extra)
+    pytest.skip("dynamax is not installed", allow_module_level=True)
+# dynamax's inference modules (TensorFlow Probability) are imported when a test first reads them
+lgssm_inf = LazyModule("dynamax.linear_gaussian_ssm.inference")
+inference_ekf = LazyModule("dynamax.nonlinear_gaussian_ssm.inference_ekf")
+nlgssm = LazyModule("dynamax.nonlinear_gaussian_ssm")
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -40,8 +45,8 @@ def no_boost(monkeypatch):
     from dynamax.utils.utils import psd_solve
 
     exact = partial(psd_solve, diagonal_boost=0.0)
-    monkeypatch.setattr(lgssm_inf, "psd_solve", exact)
-    monkeypatch.setattr(inference_ekf, "psd_solve", exact)
+    monkeypatch.setattr(lgssm_inf.module, "psd_solve", exact)
+    monkeypatch.setattr(inference_ekf.module, "psd_solve", exact)
 
 
 # ---------------------------------------------------------------- linear-Gaussian: 2-d state, 2-d observation
@@ -254,7 +259,7 @@ def nl_data():
 
 
 def _ekf_params():
-    return ParamsNLGSSM(jnp.asarray(AN @ M0N), jnp.asarray(AN @ P0N @ AN.T + QN), lambda x: jnp.asarray(AN) @ x,
+    return nlgssm.ParamsNLGSSM(jnp.asarray(AN @ M0N), jnp.asarray(AN @ P0N @ AN.T + QN), lambda x: jnp.asarray(AN) @ x,
                         jnp.asarray(QN), h_nl, RN ** 2 * jnp.eye(2))
 
 
