@@ -259,8 +259,8 @@ def nl_data():
 
 
 def _ekf_params():
-    return nlgssm.ParamsNLGSSM(jnp.asarray(AN @ M0N), jnp.asarray(AN @ P0N @ AN.T + QN), lambda x: jnp.asarray(AN) @ x,
-                        jnp.asarray(QN), h_nl, RN ** 2 * jnp.eye(2))
+    return nlgssm.ParamsNLGSSM(jnp.asarray(AN @ M0N), jnp.asarray(AN @ P0N @ AN.T + QN),
+                               lambda x: jnp.asarray(AN) @ x, jnp.asarray(QN), h_nl, RN ** 2 * jnp.eye(2))
 
 
 @pytest.mark.parametrize("boost", [pytest.param("default", marks=pytest.mark.slow), "none"])
