@@ -22,33 +22,77 @@ import numpy as np
 from jax import lax
 
 
+#: a padded flat state (:meth:`FlatLayout.of` with ``padded=True``) holds at least this many weights: below it XLA's CPU
+#: backend does not split an elementwise loop between threads (a loop over 26,123 float32 is not split, one over
+#: 40,001 is), so a padding would cost and save nothing
+PAD_FROM = 32768
+#: a padded flat state's length is a multiple of this: 2^8 x 3 x 5, divisible by every thread count that divides it
+#: (2-6, 8, 10, 12, 15, 16, 20, 24, 30, 32, ... 256), so that XLA's CPU backend cuts its loops into equal parts
+PAD_MULTIPLE = 3840
+
+
+def padded_length(n):
+    """The length of a padded flat state of ``n`` weights: ``n`` rounded up to a multiple of :data:`PAD_MULTIPLE`
+    from :data:`PAD_FROM` weights on, ``n`` below. It depends on ``n`` alone (not on the machine): a state has the
+    same shapes wherever it is built."""
+    n = int(n)
+    return n if n < PAD_FROM else -(-n // PAD_MULTIPLE) * PAD_MULTIPLE
+
+
 @jax.tree_util.register_pytree_node_class
 class FlatLayout(NamedTuple):
-    """How a pytree of same-dtype arrays maps to one flat vector (hashable; a pytree node with no
-    children, so it rides along in a State as static structure)."""
+    """How a pytree of same-dtype arrays maps to one flat vector and back (hashable; a pytree node with no
+    children, so it rides along in a State as static structure).
+
+    ``pad`` trailing entries follow the weights in a padded layout (``FlatLayout.of(tree, padded=True)``, the
+    network rows' states): :attr:`size` is the number of weights, :attr:`length` that of the flat vectors. On a CPU
+    with several threads XLA cuts every large elementwise loop into one part per thread, and a loop whose length is
+    not a multiple of the number of parts masks every vector load and store (docs/deep-learning.md, "Steps on a
+    multi-core CPU"): an odd number of weights made every pass of a step over the flat state 2-3x slower on two
+    threads. The padding entries hold zeros in the mean, the gradient and the momenta and a positive value in
+    precisions and scales; no loss reads them (:meth:`unravel` and :func:`leaves_from` read the weights only), so
+    their gradient is zero and they stay where they start."""
 
     treedef: Any
     shapes: tuple
     dtype: str
+    pad: int = 0
 
     @classmethod
-    def of(cls, tree):
+    def of(cls, tree, padded=False):
         leaves, treedef = jax.tree.flatten(tree)
-        return cls(treedef, tuple(tuple(jnp.shape(x)) for x in leaves), str(jnp.result_type(*leaves)))
+        shapes = tuple(tuple(jnp.shape(x)) for x in leaves)
+        size = sum(int(np.prod(s)) for s in shapes)
+        return cls(treedef, shapes, str(jnp.result_type(*leaves)), padded_length(size) - size if padded else 0)
 
     @property
     def size(self):
+        """The number of weights."""
         return sum(int(np.prod(s)) for s in self.shapes)
 
-    def ravel(self, tree):
+    @property
+    def length(self):
+        """The length of the flat vectors: the weights and the padding."""
+        return self.size + self.pad
+
+    def ravel(self, tree, fill=0.0, dtype=None):
+        """The flat vector of ``tree`` (a pytree like the parameters) in ``dtype`` (default: the parameters'), its
+        padding entries ``fill``."""
+        dtype = self.dtype if dtype is None else dtype
         leaves = self.treedef.flatten_up_to(tree)
-        return concatenate_flat([jnp.reshape(jnp.asarray(x, self.dtype), (-1,)) for x in leaves])
+        parts = [jnp.reshape(jnp.asarray(x).astype(dtype), (-1,)) for x in leaves]
+        if self.pad:
+            parts.append(jnp.full((self.pad,), fill, dtype))
+        return concatenate_flat(parts)
 
     def ravel_batched(self, tree):
-        """Like :meth:`ravel` for leaves with one extra leading axis (per-example gradients): ``(M, size)``."""
+        """Like :meth:`ravel` for leaves with one extra leading axis (per-example gradients): ``(M, length)``, the
+        padding zeros."""
         leaves = self.treedef.flatten_up_to(tree)
         m = jnp.shape(leaves[0])[0]
         flat = [jnp.reshape(jnp.asarray(x, self.dtype), (m, -1)) for x in leaves]
+        if self.pad:
+            flat.append(jnp.zeros((m, self.pad), self.dtype))
         return flat[0] if len(flat) == 1 else jnp.concatenate(flat, axis=1)
 
     def to_params(self, flat):
@@ -63,7 +107,7 @@ class FlatLayout(NamedTuple):
         return lax.optimization_barrier(self.treedef.unflatten(leaves))
 
     def unravel(self, flat):
-        """The pytree from a flat vector (trailing axis of ``flat``; leading axes are kept)."""
+        """The pytree from a flat vector (trailing axis of ``flat``; leading axes are kept; the padding is left)."""
         lead = flat.shape[:-1]
         out, start = [], 0
         for shape in self.shapes:

@@ -174,12 +174,12 @@ def multiplicative(base, ess, temperature=1.0, weight_decay=0.0, mc_samples=1, s
 
     def theta(state, xi):
         d = state.scale * xi  # (g+ xi+, g- xi-) end to end: one pass
-        n = state.layout.size
+        n = state.layout.length
         return d[:n] - d[n:] if signed else d
 
     def theta_slice(state, xi, start, size):
         """Elements ``start .. start + size`` of :func:`theta` from slices of the scale and the noise."""
-        scale, n = state.scale, state.layout.size
+        scale, n = state.scale, state.layout.length
         d = scale[start:start + size] * xi(start, size)
         return d - scale[n + start:n + start + size] * xi(n + start, size) if signed else d
 

@@ -147,7 +147,7 @@ def init_diagonal(params, precision_init, state_dtype=None):
     from numpyro_blr.tree import state_dtype as _state_dtype
 
     check_params(params)
-    layout = FlatLayout.of(params)
+    layout = FlatLayout.of(params, padded=True)  # whole parts for every CPU thread (FlatLayout)
     mean = layout.ravel(jax.tree.map(jnp.asarray, params)).astype(_state_dtype(layout.dtype, state_dtype))
     zero = jnp.zeros((), jnp.int32)
     return DiagonalState(mean, jnp.full_like(mean, precision_init), jnp.zeros_like(mean), zero, zero, layout)
@@ -163,29 +163,32 @@ def _is_concrete(x):
     return not isinstance(x, jax.core.Tracer)
 
 
-def _flat_prior_array(x, layout, dtype, name):
-    """``x`` (a scalar, a flat vector of ``layout.size`` entries or a pytree like the parameters) as a flat vector."""
-    size = layout.size
+def _flat_prior_array(x, layout, dtype, name, fill):
+    """``x`` (a scalar, a flat vector of ``layout.length`` or ``layout.size`` entries or a pytree like the parameters)
+    as a flat vector of the state's layout (a padded layout's padding ``fill``)."""
+    size, length = layout.size, layout.length
     leaves, treedef = jax.tree.flatten(x)
     if jax.tree_util.treedef_is_leaf(treedef):  # one array (or a number): a scalar, the flat vector or the one leaf
         arr = jnp.asarray(leaves[0]) if leaves else None
         if arr is not None and arr.ndim == 0:
-            return jnp.full((size,), arr, dtype)
-        if arr is not None and arr.shape == (size,):
+            return jnp.full((length,), arr, dtype)
+        if arr is not None and arr.shape == (length,):
             return arr.astype(dtype)
-        if arr is not None and treedef == layout.treedef and (arr.shape,) == layout.shapes:
-            return jnp.reshape(arr, (-1,)).astype(dtype)
+        if arr is not None and treedef == layout.treedef and (arr.shape,) == layout.shapes:  # the one leaf
+            return layout.ravel(x, fill, dtype)
+        if arr is not None and arr.shape == (size,):  # the weights' flat vector without a padded layout's padding
+            return layout.ravel(layout.unravel(arr), fill, dtype)
+        sizes = f"{size}" if size == length else f"{length} (as DiagonalState.as_prior gives) or {size}"
         raise ValueError(
-            f"{name} has shape {None if arr is None else arr.shape}: it must be a scalar, a flat vector of {size} "
-            "entries (the parameters' layout, as DiagonalState.as_prior gives) or a pytree like the parameters."
+            f"{name} has shape {None if arr is None else arr.shape}: it must be a scalar, a flat vector of {sizes} "
+            "entries (the parameters' layout) or a pytree like the parameters."
         )
     if treedef != layout.treedef:
         raise ValueError(f"{name} has the structure {treedef}, but the parameters have {layout.treedef}.")
     shapes = tuple(tuple(jnp.shape(v)) for v in leaves)
     if shapes != layout.shapes:
         raise ValueError(f"{name} has leaves of shapes {shapes}, but the parameters have {layout.shapes}.")
-    flat = [jnp.reshape(jnp.asarray(v), (-1,)).astype(dtype) for v in leaves]
-    return flat[0] if len(flat) == 1 else jnp.concatenate(flat)
+    return layout.ravel(x, fill, dtype)
 
 
 def resolve_prior(prior, layout, dtype, ess):
@@ -205,8 +208,8 @@ def resolve_prior(prior, layout, dtype, ess):
             "prior must be a DiagonalPrior (state.as_prior(ess=...) for a fitted state's posterior) or a "
             f"DiagonalState, got {type(prior).__name__}."
         )
-    mean = _flat_prior_array(prior.mean, layout, dtype, "prior.mean")
-    precision = _flat_prior_array(prior.precision, layout, dtype, "prior.precision")
+    mean = _flat_prior_array(prior.mean, layout, dtype, "prior.mean", 0.0)
+    precision = _flat_prior_array(prior.precision, layout, dtype, "prior.precision", 1.0)
     if prior.ess is not None:
         if ess is None:
             raise ValueError("prior.ess is given but the row has no ess (a point estimate): leave prior.ess as None.")

@@ -423,12 +423,12 @@ class MultiplicativeState(NamedTuple):
 
     @property
     def signed(self):
-        return self.scale.shape[0] != self.layout.size
+        return self.scale.shape[0] != self.layout.length
 
     @property
     def params(self):
         r"""The point estimate :math:`\mathbb E_q[\theta] = \mathbb E[\xi](g_+ - g_-)` as the weights' pytree."""
-        n = self.layout.size
+        n = self.layout.length
         g = self.scale[:n] - self.scale[n:] if self.signed else self.scale
         return self.layout.to_params(self.base_mean * g)
 
@@ -463,12 +463,13 @@ def _zero():
 
 
 def _leaf_values(tree, like, what):
-    """Flat values of ``tree`` (a number, or a pytree like ``like``) checked finite and > 0 per leaf."""
-    layout = FlatLayout.of(like)
+    """Flat values of ``tree`` (a number, or a pytree like ``like``) checked finite and > 0 per leaf, in the padded
+    layout of a state of ``like`` (:func:`_flat_state`; the padding 1 or the number)."""
+    layout = FlatLayout.of(like, padded=True)
     if isinstance(tree, (int, float, np.number)) and not isinstance(tree, bool):
         if not (math.isfinite(float(tree)) and float(tree) > 0):
             raise ValueError(f"{what} must be positive and finite (a scale of q), got {tree!r}.")
-        return jnp.full((layout.size,), float(tree), jnp.dtype(layout.dtype))
+        return jnp.full((layout.length,), float(tree), jnp.dtype(layout.dtype))
     if jax.tree.structure(tree) != jax.tree.structure(like):
         raise ValueError(f"{what} must be a positive number or a pytree like the parameters.")
     for path, leaf, ref in zip(
@@ -485,15 +486,17 @@ def _leaf_values(tree, like, what):
                 f"{leaf[bad].ravel()[:3].tolist()} ({int(bad.sum())} entries): the group keeps scales positive only "
                 "if they start positive."
             )
-    return layout.ravel(jax.tree.map(lambda s, p: jnp.broadcast_to(jnp.asarray(s, layout.dtype), jnp.shape(p)), tree, like))
+    return layout.ravel(jax.tree.map(lambda s, p: jnp.broadcast_to(jnp.asarray(s, layout.dtype), jnp.shape(p)), tree, like),
+                        fill=1.0)
 
 
 def _flat_state(params, state_dtype):
     """``(layout, flat params)`` in the state's dtype (:func:`numpyro_blr.tree.state_dtype`: float32 for bfloat16 or
-    float16 parameters unless ``state_dtype`` says otherwise)."""
+    float16 parameters unless ``state_dtype`` says otherwise). The layout is padded (:class:`FlatLayout`: a network's
+    flat vectors are whole parts for every CPU thread)."""
     from numpyro_blr.tree import state_dtype as _state_dtype
 
-    layout = FlatLayout.of(params)
+    layout = FlatLayout.of(params, padded=True)
     return layout, layout.ravel(jax.tree.map(jnp.asarray, params)).astype(_state_dtype(layout.dtype, state_dtype))
 
 
