@@ -59,7 +59,8 @@ from numpyro_blr.tree import FlatLayout, finite_check
 class DiagonalPrior(NamedTuple):
     r"""A diagonal Gaussian prior :math:`\mathcal N(m_0, \operatorname{diag}(1/(N_0\,\delta_0)))` over the weights.
 
-    ``mean``       :math:`m_0`: a flat vector (the state's layout), a pytree like the parameters, or a scalar;
+    ``mean``       :math:`m_0`: a flat vector (the state's layout, with or without its padding), a pytree like the
+                   parameters, or a scalar;
     ``precision``  :math:`\delta_0`, the per-example precision (like ``DiagonalState.precision``): same forms,
                    every entry > 0;
     ``ess``        :math:`N_0`, the number of examples ``precision`` is per (:math:`N_0\delta_0` is the prior's
@@ -85,7 +86,10 @@ class DiagonalState(NamedTuple):
     ``momentum``   :math:`\bar g`, flat;
     ``count``      steps taken (skipped steps are not counted), int32;
     ``skipped``    how many steps were skipped for a non-finite estimate, int32;
-    ``layout``     the :class:`~numpyro_blr.tree.FlatLayout` of the weights (static);
+    ``layout``     the :class:`~numpyro_blr.tree.FlatLayout` of the weights (static). The flat vectors have
+                   ``layout.length`` entries: the weights, then from ``tree.PAD_FROM`` weights on a padding to a
+                   multiple of ``tree.PAD_MULTIPLE`` (mean and momentum 0 there, no gradient reaches it), so that
+                   XLA's CPU backend splits each pass into whole parts per thread;
     ``prior``      None (the row's weight decay is the prior) or a :class:`DiagonalPrior` that replaces it
                    (flat arrays, per example of the row's ``ess``): the rows' ``prior=`` option.
     """

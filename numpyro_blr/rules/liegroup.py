@@ -387,6 +387,9 @@ def affine_direction(rule, scale, m_loc, m_scale, grad, count, with_decay=False)
 
 
 # ----------------------------------------------------------------------------- states
+# The flat vectors of a state have ``layout.length`` entries: the weights, then from ``tree.PAD_FROM`` weights on a
+# padding (tree.FlatLayout): zero weights, positive scales (the affine rule's initial scale, or 1 for a pytree of
+# scales; the multiplicative rule's init_offset), which no loss reads.
 
 
 class AdditiveState(NamedTuple):

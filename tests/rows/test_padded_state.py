@@ -91,7 +91,10 @@ def _weights(state):
     return [np.asarray(x) for x in jax.tree.leaves(state.params)]
 
 
-@pytest.mark.parametrize("row", sorted(ROWS))
+QUICK_ROWS = ("ivon", "adam_blr", "lie_affine")  # the quick subset's (make test-fast); every row in make test
+
+
+@pytest.mark.parametrize("row", [r if r in QUICK_ROWS else pytest.param(r, marks=pytest.mark.slow) for r in sorted(ROWS)])
 def test_padded_steps_are_finite_and_leave_the_padding(row, monkeypatch):
     _pad_small(monkeypatch, on=False)
     plain = _run(row)
@@ -146,7 +149,7 @@ def test_padded_update_from_the_same_draw_is_the_unpadded_update(row, monkeypatc
         np.testing.assert_allclose(a, b, rtol=2e-6, atol=2e-7)
 
 
-@pytest.mark.parametrize("row", ["ivon", "lie_affine"])
+@pytest.mark.parametrize("row", ["ivon", pytest.param("lie_affine", marks=pytest.mark.slow)])
 def test_padded_draws_have_the_states_mean_and_scale(row, monkeypatch):
     """The weights drawn from a padded state (``sample``) have the state's mean and standard deviation, weight by
     weight: the noise is read at the weights' own entries. Bounds: 5 standard errors of S = 4,000 draws."""
@@ -164,6 +167,7 @@ def test_padded_draws_have_the_states_mean_and_scale(row, monkeypatch):
     assert np.all(np.abs(flat.std(0) / sd - 1) < 5 / np.sqrt(2 * 4000))
 
 
+@pytest.mark.slow
 def test_optax_view_and_priors_take_the_padded_state(monkeypatch):
     _pad_small(monkeypatch)
     algo = nb.ivon(lr=0.05, ess=200.0, hess_init=0.5)
