@@ -50,8 +50,8 @@ class FlatLayout(NamedTuple):
     not a multiple of the number of parts masks every vector load and store (docs/deep-learning.md, "Steps on a
     multi-core CPU"): an odd number of weights made every pass of a step over the flat state 2-3x slower on two
     threads. The padding entries hold zeros in the mean, the gradient and the momenta and a positive value in
-    precisions and scales; no loss reads them (:meth:`unravel` and :func:`leaves_from` read the weights only), so
-    their gradient is zero and they stay where they start."""
+    precisions and scales; no loss reads them (:meth:`unravel` and :func:`leaves_from` read the weights only), so no
+    data gradient reaches them (a weight decay acts on them as on any weight without one)."""
 
     treedef: Any
     shapes: tuple

@@ -201,7 +201,7 @@ def resolve_prior(prior, layout, dtype, ess):
     row's). Raises ``ValueError`` naming the argument for a mismatch with the parameters' layout or a precision
     that is not positive and finite."""
     if isinstance(prior, DiagonalState):
-        if prior.layout != layout:
+        if prior.layout._replace(pad=0) != layout._replace(pad=0):  # a padding of its own is read off (as_prior)
             raise ValueError(
                 f"prior: the state given as the prior has the layout {prior.layout.shapes}, but the parameters have "
                 f"{layout.shapes}."

@@ -190,3 +190,16 @@ def test_optax_view_and_priors_take_the_padded_state(monkeypatch):
         assert (np.asarray(nxt.precision) > 0).all() and nxt.precision.shape == (96,)
     with pytest.raises(ValueError, match="flat vector of 96 .* or 81"):
         algo.init(PARAMS, prior=nb.rules.diagonal.DiagonalPrior(np.zeros(50, np.float32), 1.0))
+
+
+@pytest.mark.slow
+def test_a_state_without_the_padding_is_a_prior_for_the_padded_layout(monkeypatch):
+    """A state built before the padding (or with another padding) gives its posterior to a padded state."""
+    _pad_small(monkeypatch, on=False)
+    old = _run("ivon")
+    _pad_small(monkeypatch)
+    algo = ROWS["ivon"]()
+    nxt = algo.init(PARAMS, prior=old)
+    assert nxt.layout.pad == 15 and nxt.precision.shape == (96,)
+    np.testing.assert_allclose(np.asarray(nxt.prior.mean)[:N_WEIGHTS], np.asarray(old.mean), rtol=1e-6)
+    assert (np.asarray(nxt.prior.precision) > 0).all()
