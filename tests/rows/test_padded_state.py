@@ -2,12 +2,12 @@
 
 On a CPU with several threads XLA cuts every large elementwise loop into one part per thread, and a loop whose length
 is not a multiple of the number of parts masks every vector load and store: before the padding, an odd number of
-weights made IVON's step 1.3-1.5x slower on two threads and the affine rule's 1.6x (docs/deep-learning.md, "Steps on a
-multi-core CPU"; bench/bench_ivon.py, bench/bench_liegroup.py). From ``tree.PAD_FROM`` weights on, the rows' states
-are padded to a multiple of ``tree.PAD_MULTIPLE``. These tests check that the padding changes nothing but the shapes:
-the same steps from the same draw, draws with the state's moments, priors and optax views that accept the
-padded vectors. They lower ``PAD_FROM`` and
-``PAD_MULTIPLE`` so that a small network is padded (the times are the benches').
+weights made IVON's step about 1.5x slower on two threads than an even number, and the affine rule's 1.3-1.5x
+(docs/deep-learning.md, "Padded flat states"; bench/bench_liegroup.py). From ``tree.PAD_FROM`` weights on, the rows'
+states are padded to a multiple of ``tree.PAD_MULTIPLE``. These tests check that the padding changes nothing but the
+shapes: the same step from the same draw and gradient, draws with the state's moments, priors and optax views that
+accept the padded vectors. They lower ``PAD_FROM`` and ``PAD_MULTIPLE`` (``_pad_small``) so that a small network is
+padded; the times are the bench's.
 """
 
 import jax
@@ -21,7 +21,7 @@ import numpyro_blr as nb
 import numpyro_blr.tree as tree
 from numpyro_blr.tree import FlatLayout, padded_length
 
-# 81 weights: padded to 96 by the fixture below
+# 81 weights: padded to 96 by _pad_small
 PARAMS = {"w1": np.random.default_rng(0).standard_normal((5, 9)).astype(np.float32) * 0.3,
           "b1": np.zeros(9, np.float32), "w2": np.random.default_rng(1).standard_normal((9, 3)).astype(np.float32) * 0.3}
 N_WEIGHTS = 81
@@ -121,7 +121,7 @@ def test_padded_steps_are_finite_and_leave_the_padding(row, layout, monkeypatch)
 
 
 def _padded_vector(v, halves=1):
-    """A flat vector of the unpadded layout (``halves`` end to end) with each half padded by zeros to 48."""
+    """A flat vector of the unpadded layout (``halves`` of them end to end), each half padded by zeros to 96."""
     return jnp.concatenate([jnp.pad(h, (0, 96 - N_WEIGHTS)) for h in jnp.split(v, halves)])
 
 
@@ -142,11 +142,7 @@ def test_padded_update_from_the_same_draw_is_the_unpadded_update(row, monkeypatc
         gg = _padded_vector(g) if on else g
         nn = _padded_vector(noise, halves) if on else noise
         for _ in range(3):
-            if row in ("ivon", "vogn"):
-                est = algo.parts.estimator.from_grads(state, gg, nn, **extra)
-            else:
-                est = algo.parts.estimator.from_grads(state, gg, nn)
-            state, info = algo.update(state, est)
+            state, info = algo.update(state, algo.parts.estimator.from_grads(state, gg, nn, **extra))
             assert not bool(info.skipped)
         out.append(_weights(state))
     for a, b in zip(*out):
