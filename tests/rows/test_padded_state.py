@@ -104,14 +104,16 @@ def test_padded_steps_are_finite_and_leave_the_padding(row, layout, monkeypatch)
     plain = _run(row)
     _pad_small(monkeypatch)
     padded = _run(row)
-    assert plain.layout.pad == 0 and padded.layout.pad == 15
+    assert plain.layout.pad == 0 and padded.layout.pad == (0 if row == "lie_multiplicative" else 15)
     for leaf in jax.tree.leaves(padded):
         assert np.isfinite(np.asarray(leaf)).all()
     if row in NOISE_FREE:  # the same operations on the same weights (XLA may fuse them differently: a rounding apart)
         for a, b in zip(_weights(plain), _weights(padded)):
             np.testing.assert_allclose(a, b, rtol=2e-6, atol=2e-7)
-    if row == "lie_multiplicative":  # (g+, g-) end to end: the padding's scales stay positive
-        assert (np.asarray(padded.scale).reshape(2, -1)[:, N_WEIGHTS:] > 0).all()
+    if row == "lie_multiplicative":  # not padded (init_multiplicative: slower on one thread), so the same steps
+        for a, b in zip(jax.tree.leaves(plain), jax.tree.leaves(padded)):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        return
     if row == "lie_affine":  # its weight decay acts on the padding's draws theta = b + A eps (as on any weight
         return               # without a data gradient): they move, finite, and no loss reads them
     for f in ("mean", "loc", "momentum"):  # no gradient reaches the padding: these stay where they started
@@ -120,19 +122,18 @@ def test_padded_steps_are_finite_and_leave_the_padding(row, layout, monkeypatch)
             np.testing.assert_array_equal(np.asarray(v)[N_WEIGHTS:], np.asarray(v)[N_WEIGHTS])
 
 
-def _padded_vector(v, halves=1):
-    """A flat vector of the unpadded layout (``halves`` of them end to end), each half padded by zeros to 96."""
-    return jnp.concatenate([jnp.pad(h, (0, 96 - N_WEIGHTS)) for h in jnp.split(v, halves)])
+def _padded_vector(v):
+    """A flat vector of the unpadded layout padded by zeros to 96."""
+    return jnp.pad(v, (0, 96 - N_WEIGHTS))
 
 
-@pytest.mark.parametrize("row", ["ivon", "vogn", "lie_additive", "lie_affine", "lie_multiplicative"])
+@pytest.mark.parametrize("row", ["ivon", "vogn", "lie_additive", "lie_affine"])
 def test_padded_update_from_the_same_draw_is_the_unpadded_update(row, monkeypatch):
     """The sampled rows' update (their optax view's: the estimate formed from a gradient and the draw's noise) gives
     the weights the same step with the padding as without, for the same draw and gradient."""
-    halves = 2 if row == "lie_multiplicative" else 1
     rng = np.random.default_rng(5)
     g = jnp.asarray(rng.standard_normal(N_WEIGHTS), jnp.float32)
-    noise = jnp.asarray(rng.standard_normal(N_WEIGHTS * halves), jnp.float32) * 0.1
+    noise = jnp.asarray(rng.standard_normal(N_WEIGHTS), jnp.float32) * 0.1
     extra = {"squared_grads": jax.tree.map(lambda x: jnp.ones_like(x) * 0.3, PARAMS)} if row == "vogn" else {}
     out = []
     for on in (False, True):
@@ -140,7 +141,7 @@ def test_padded_update_from_the_same_draw_is_the_unpadded_update(row, monkeypatc
         algo = ROWS[row]()
         state = algo.init(PARAMS)
         gg = _padded_vector(g) if on else g
-        nn = _padded_vector(noise, halves) if on else noise
+        nn = _padded_vector(noise) if on else noise
         for _ in range(3):
             state, info = algo.update(state, algo.parts.estimator.from_grads(state, gg, nn, **extra))
             assert not bool(info.skipped)
