@@ -465,10 +465,9 @@ def _zero():
     return jnp.zeros((), jnp.int32)
 
 
-def _leaf_values(tree, like, what):
-    """Flat values of ``tree`` (a number, or a pytree like ``like``) checked finite and > 0 per leaf, in the padded
-    layout of a state of ``like`` (:func:`_flat_state`; the padding 1 or the number)."""
-    layout = FlatLayout.of(like, padded=True)
+def _leaf_values(tree, like, what, layout):
+    """Flat values of ``tree`` (a number, or a pytree like ``like``) checked finite and > 0 per leaf, in ``layout`` (the
+    state's, :func:`_flat_state`; a padding holds 1 or the number)."""
     if isinstance(tree, (int, float, np.number)) and not isinstance(tree, bool):
         if not (math.isfinite(float(tree)) and float(tree) > 0):
             raise ValueError(f"{what} must be positive and finite (a scale of q), got {tree!r}.")
@@ -517,7 +516,7 @@ def init_affine(params, scale_init, base_mean_value=0.0, state_dtype=None):
     strictly positive, checked per leaf) and :math:`b` such that :math:`\\mathbb E_q[\\theta]` = ``params``."""
     check_params(params)
     layout, mean = _flat_state(params, state_dtype)
-    scale = _leaf_values(scale_init, params, "scale_init").astype(mean.dtype)
+    scale = _leaf_values(scale_init, params, "scale_init", layout).astype(mean.dtype)
     mu = jnp.asarray(base_mean_value, mean.dtype)
     zeros = jnp.zeros_like(mean)
     return AffineState(mean - scale * mu, scale, zeros, zeros, _zero(), _zero(), mu, layout)
