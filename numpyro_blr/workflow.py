@@ -46,6 +46,7 @@ from numpyro.infer import Predictive
 from numpyro.infer.initialization import init_to_uniform
 from numpyro.infer.util import log_likelihood
 from numpyro.primitives import Messenger
+from numpyro.util import soft_vmap
 
 from numpyro_blr import compile_once as _fit
 
@@ -268,18 +269,48 @@ def _warn_fits(program, states, what, labels):
     return [label for label, _ in bad]
 
 
-def _pointwise_lpd(params, key, args, kwargs, model, guide, site, num_draws, drop):
+#: the most numbers one array of vectorised draws holds (draws x numbers per draw): 2^22, 32 MB in float64. More
+#: draws than that are taken in chunks of that many, one chunk after another (``numpyro.util.soft_vmap``).
+DRAW_BATCH_ELEMENTS = 2**22
+
+
+def _map_draws(fn, key, num_draws, per_draw):
+    """``fn(k)`` for each of the ``num_draws`` keys ``numpyro.infer.Predictive`` draws with (``random.split(key,
+    num_draws)``), stacked along a new first axis. ``Predictive`` maps its draws one at a time (a loop of
+    ``num_draws`` iterations in the program); here they are vectorised (``vmap``), as many at once as keep an array
+    of ``per_draw`` numbers per draw within :data:`DRAW_BATCH_ELEMENTS`: the same values (to rounding) in one pass.
+    On breast cancer's 10-fold CV (1,000 draws x 569 observations per fit) the loop took 0.57 s of the 2.4 s the
+    program ran (``compile_effort="low"``)."""
+    keys = jax.random.split(key, num_draws) if num_draws > 1 else jnp.reshape(key, (1,) + jnp.shape(key))
+    keys = jax.random.key_data(keys) if jnp.issubdtype(keys.dtype, jax.dtypes.prng_key) else keys
+    chunk = max(1, min(num_draws, DRAW_BATCH_ELEMENTS // max(1, int(per_draw))))
+    return soft_vmap(fn, keys, 1, chunk)
+
+
+def _guide_draw(guide, params, key, args, kwargs):
+    """One draw of the fitted guide: its sample and deterministic sites, as ``Predictive(guide, params=params)`` draws
+    them with ``key``."""
+    tr = handlers.trace(handlers.seed(handlers.substitute(guide, data=params), key)).get_trace(*args, **kwargs)
+    return {name: s["value"] for name, s in tr.items() if s["type"] in ("sample", "deterministic")}
+
+
+def _pointwise_lpd(params, key, args, kwargs, model, guide, site, num_draws, drop, site_size):
     r""":math:`\log \frac1S \sum_s p(y_i \mid \theta^{(s)})`, :math:`\theta^{(s)} \sim q`, per observation of ``site``
-    (summed over its other dimensions), computed inside the program."""
+    (summed over its other dimensions), computed inside the program (the draws vectorised, :func:`_map_draws`;
+    ``site_size``: the numbers the site observes)."""
     kwargs = {k: v for k, v in kwargs.items() if k != drop}
+    substituted = handlers.substitute(model, data=params)
+
+    def one(k):
+        latent = _guide_draw(guide, params, k, args, kwargs)
+        return log_likelihood(substituted, latent, *args, batch_ndims=0, **kwargs)[site]
+
     with validation_enabled(False):  # checked by the fit already; on the constants here they would run op by op
-        draws = Predictive(guide, params=params, num_samples=num_draws)(key, *args, **kwargs)
-        ll = log_likelihood(handlers.substitute(model, data=params), draws, *args, **kwargs)[site]
+        ll = _map_draws(one, key, num_draws, site_size)
     ll = ll.reshape(ll.shape[:2] + (-1,)).sum(-1) if ll.ndim > 2 else ll
     return logsumexp(ll, axis=0) - jnp.log(num_draws)
 
 
-# -- K-fold -----------------------------------------------------------------------------------------
 def _import_in_background(*modules):
     """Import ``modules`` in a thread (XLA compiles with the GIL released); ``.join()`` before using them.
     An import that fails here is left to the caller's own import, which raises it."""
@@ -400,7 +431,7 @@ def kfold(model, guide, *args, k=10, obs=None, folds=None, optim=None, num_steps
         masks[j, folds == j] = False
     pguide, setup = _canonical(guide)
     wmodel, wguide = _wrapper("mask", model, pguide, site.name)
-    post = (_pointwise_lpd, model, pguide, site.name, num_draws, "_nb_train_mask")
+    post = (_pointwise_lpd, model, pguide, site.name, num_draws, "_nb_train_mask", math.prod(site.shape))
     keys = np.stack(fit_keys)
     if _resolve_warm_start(warm_start, result):
         # one loop: the full data first (from the guide's initialisation, or from result), then each fold from it
@@ -498,7 +529,7 @@ def reloo(model, guide, *args, result=None, k_threshold=0.7, obs=None, optim=Non
     masks[np.arange(bad.size), bad] = False
     pguide, setup = _canonical(guide)
     wmodel, wguide = _wrapper("mask", model, pguide, site.name)
-    post = (_pointwise_lpd, model, pguide, site.name, num_draws, "_nb_train_mask")
+    post = (_pointwise_lpd, model, pguide, site.name, num_draws, "_nb_train_mask", math.prod(site.shape))
     refit_keys, batch = jax.random.split(refit_key, bad.size), {"_nb_train_mask": jnp.asarray(masks)}
     if warm:  # one loop, every refit from the full-data fit's q
         program, data = _program(wmodel, wguide, args, kwargs, {"_nb_train_mask": masks}, optim=optim,
@@ -608,12 +639,13 @@ class SBCResult(NamedTuple):
         return fig
 
 
-def _ranks(params, key, args, kwargs, guide, latent, num_draws, drop):
-    """``num_draws`` draws of the fitted ``q`` at the ``latent`` sites, inside the program (ranked in :func:`sbc`)."""
+def _ranks(params, key, args, kwargs, guide, latent, num_draws, drop, latent_size):
+    """``num_draws`` draws of the fitted ``q`` at the ``latent`` sites, inside the program (ranked in :func:`sbc`;
+    vectorised, :func:`_map_draws`; ``latent_size``: the numbers of one draw)."""
     kwargs = {k: v for k, v in kwargs.items() if k != drop}
     with validation_enabled(False):  # as in _pointwise_lpd
-        draws = Predictive(guide, params=params, num_samples=num_draws, return_sites=list(latent))(key, *args, **kwargs)
-    return draws
+        return _map_draws(lambda k: {s: _guide_draw(guide, params, k, args, kwargs)[s] for s in latent}, key,
+                          num_draws, latent_size)
 
 
 def _ecdf_band(num_datasets, num_draws, level=0.95, sims=2000, seed=0):
@@ -690,7 +722,8 @@ def sbc(model, guide, *args, num_datasets=100, num_draws=99, obs=None, optim=Non
     simulated = {s: sims[s] for s in names}
     pguide, setup = _canonical(guide)
     wmodel, wguide = _wrapper("replace", model, pguide)
-    post = (_ranks, pguide, tuple(latent), num_draws, "_nb_observations")
+    post = (_ranks, pguide, tuple(latent), num_draws, "_nb_observations",
+            sum(math.prod(sites[s][1]) for s in latent))
     program, data = _program(wmodel, wguide, args, kwargs, {"_nb_observations": simulated}, optim=optim,
                              num_steps=num_steps, loss=loss, post=post, batch_size=batch_size or num_datasets,
                              owner=pguide, compile_effort=compile_effort)

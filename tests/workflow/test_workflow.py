@@ -239,6 +239,43 @@ def test_bad_input_names_the_argument(observations):
         wf.kfold(normal_mean, guide, y, k=2, warm_start=True, warm_steps=0)
 
 
+def regression(x, y):
+    """Two latent sites (one a vector) and a 2-D observed site: draws and pointwise densities with several shapes."""
+    b = numpyro.sample("b", dist.Normal(0.0, 1.0).expand([2]).to_event(1))
+    s = numpyro.sample("s", dist.HalfNormal(1.0))
+    with numpyro.plate("n", x.shape[0]):
+        numpyro.sample("y", dist.Normal(b[0] + b[1] * x[:, None], s).to_event(1), obs=y)
+
+
+@pytest.mark.parametrize("per_chunk", [None, 7])
+def test_vectorised_draws_are_predictives_draws(monkeypatch, per_chunk):
+    """The predictive densities and SBC's draws inside the programs are vectorised over the draws (in chunks when
+    large): the same keys and values as NumPyro's Predictive and log_likelihood, which map them one at a time."""
+    from jax.scipy.special import logsumexp
+    from numpyro import handlers
+    from numpyro.infer import Predictive
+    from numpyro.infer.util import log_likelihood
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=9)
+    y = np.stack([1.0 + 2.0 * x, 1.0 - x], -1) + rng.normal(size=(9, 2))
+    guide = AutoNormal(regression)
+    params = nb.fit(regression, guide, x, y, num_steps=20, progress_bar=False).params
+    key, S = jax.random.PRNGKey(3), 30
+    if per_chunk:  # 30 draws in chunks of 7: four vectorised chunks and a padded fifth
+        monkeypatch.setattr(wf, "DRAW_BATCH_ELEMENTS", per_chunk * y.size)
+    got = wf._pointwise_lpd(params, key, (x, y), {}, regression, guide, "y", S, "unused", y.size)
+    draws = Predictive(guide, params=params, num_samples=S)(key, x, y)
+    ll = log_likelihood(handlers.substitute(regression, data=params), draws, x, y)["y"]  # (S, 9)
+    # float32 here: vectorised and one-at-a-time arithmetic round differently, by a few units in the last place
+    np.testing.assert_allclose(got, logsumexp(ll, axis=0) - np.log(S), rtol=1e-6)
+    ranks = wf._ranks(params, key, (x, y), {}, guide, ("b", "s"), S, "unused", 3)
+    ref = Predictive(guide, params=params, num_samples=S, return_sites=["b", "s"])(key, x, y)
+    for site in ("b", "s"):
+        assert ranks[site].shape == ref[site].shape == (S,) + ((2,) if site == "b" else ())
+        np.testing.assert_allclose(ranks[site], ref[site], rtol=1e-6, atol=1e-7)
+
+
 @pytest.mark.slow
 def test_reloo_on_centred_eight_schools_agrees_with_nuts():
     """The issue's target: exact refits where PSIS fails on the centred model, against az.loo on NUTS of the same
