@@ -3,8 +3,8 @@
 On a CPU with more than one thread XLA cuts a large elementwise loop into one part per thread; a part of a length that
 is not a whole number of vectors, or a fused concatenation, then compiles to masked vector loads and stores, 5-15x
 slower on AMD EPYC (docs/deep-learning.md, "Steps on a multi-core CPU"). The steps avoid both there: the hash noise's
-pairs are computed for a padded length, concatenations copy their parts, the signed multiplicative rule broadcasts
-the gradient over two rows. These tests switch the forms on and off by hand and check that the values are the same
+pairs are computed for a padded length from counters laid out as one row per thread, concatenations copy their parts,
+the signed multiplicative rule broadcasts the gradient over two rows. These tests switch the forms on and off by hand and check that the values are the same
 (the times are bench/bench_ivon.py's and bench/bench_liegroup.py's).
 """
 
@@ -54,6 +54,18 @@ def test_hash_normal_draws_what_it_drew_before(n, split):
     before = jax.jit(lambda k: _hash_normal_before(k, n))(key)
     assert now.shape == (n,)
     np.testing.assert_array_equal(np.asarray(now), np.asarray(before))
+
+
+@pytest.mark.parametrize("n", [1, 7, 48, 4096, 4098])
+def test_hash_counters_and_uniforms_are_the_same(n, split):
+    """Where loops are split, the hash's counters are built as rows of a 2-D iota (tree._counters; 48 and 4,098 are
+    whole rows for the fixture's 6 threads, the others not): the same counters, so the same uniforms as element-by-
+    element hash_uniform_at."""
+    np.testing.assert_array_equal(np.asarray(jax.jit(lambda: tree._counters(n))()), np.arange(n, dtype=np.uint32))
+    key = jax.random.key(n)
+    now = jax.jit(lambda k: tree.hash_uniform(k, n))(key)
+    at = jax.jit(lambda k: tree.hash_uniform_at(jax.random.bits(k, (2,), jnp.uint32), 0, n))(key)
+    np.testing.assert_array_equal(np.asarray(now), np.asarray(at))
 
 
 def test_even_split_length(split):
