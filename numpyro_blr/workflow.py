@@ -311,6 +311,7 @@ def _pointwise_lpd(params, key, args, kwargs, model, guide, site, num_draws, dro
     return logsumexp(ll, axis=0) - jnp.log(num_draws)
 
 
+# -- K-fold -----------------------------------------------------------------------------------------
 def _import_in_background(*modules):
     """Import ``modules`` in a thread (XLA compiles with the GIL released); ``.join()`` before using them.
     An import that fails here is left to the caller's own import, which raises it."""

@@ -4,8 +4,8 @@ On a CPU with more than one thread XLA cuts a large elementwise loop into one pa
 is not a whole number of vectors, or a fused concatenation, then compiles to masked vector loads and stores, 5-15x
 slower on AMD EPYC (docs/deep-learning.md, "Steps on a multi-core CPU"). The steps avoid both there: the hash noise's
 pairs are computed for a padded length from counters laid out as one row per thread, concatenations copy their parts,
-the signed multiplicative rule broadcasts the gradient over two rows. These tests switch the forms on and off by hand and check that the values are the same
-(the times are bench/bench_ivon.py's and bench/bench_liegroup.py's).
+the signed multiplicative rule broadcasts the gradient over two rows. These tests switch the forms on and off by hand
+and check that the values are the same (the times are bench/bench_ivon.py's and bench/bench_liegroup.py's).
 """
 
 import jax
