@@ -644,9 +644,13 @@ def _ranks(params, key, args, kwargs, guide, latent, num_draws, drop, latent_siz
     """``num_draws`` draws of the fitted ``q`` at the ``latent`` sites, inside the program (ranked in :func:`sbc`;
     vectorised, :func:`_map_draws`; ``latent_size``: the numbers of one draw)."""
     kwargs = {k: v for k, v in kwargs.items() if k != drop}
+
+    def one(k):
+        draw = _guide_draw(guide, params, k, args, kwargs)  # the guide traced once per draw, not once per site
+        return {s: draw[s] for s in latent}
+
     with validation_enabled(False):  # as in _pointwise_lpd
-        return _map_draws(lambda k: {s: _guide_draw(guide, params, k, args, kwargs)[s] for s in latent}, key,
-                          num_draws, latent_size)
+        return _map_draws(one, key, num_draws, latent_size)
 
 
 def _ecdf_band(num_datasets, num_draws, level=0.95, sims=2000, seed=0):
